@@ -1,0 +1,310 @@
+"""The worker extension: the one module that touches vLLM internals.
+
+vLLM instantiates ``GuardrailWorkerExtension`` as a mixin of its worker (``worker_extension_cls``),
+in the worker process, and the caller drives it with ``collective_rpc``. The probe wraps each
+hooked layer's attention *implementation* (``Attention.impl.forward``), which vLLM calls as plain
+Python even in its compiled mode (attention is the splitting op between compiled pieces), after
+the layer's new keys were written to the paged KV cache. There it has everything it needs:
+
+- the post-RoPE queries of the step's tokens ``[tokens, heads, dim]``,
+- the paged KV cache and each request's block table, so keys of prefix-cached blocks and of
+  earlier chunked-prefill steps are read back (``guardrail.kv_layout``),
+- ``query_start_loc`` / ``seq_lens`` to map the flattened batch back to requests.
+
+A request opts in through ``SamplingParams.extra_args[PROBE_ARG]`` (its key and token spans), so
+scores are matched to requests by data the request carries, never by vLLM's internal ids. A
+request is scored once, in the step that computes its last prompt token. Results wait in a
+bounded store until the caller pops them by key. Nothing here raises into the engine: a failure
+is recorded for the request it concerns.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from guardrail.kv_layout import KeyGather, key_gather_for
+from guardrail.scoring import head_focus_scores, spans_to_mask
+
+PROBE_ARG = "guardrail_probe"
+"""Key in ``SamplingParams.extra_args`` that carries a request's probe spec."""
+
+MAX_STORED_RESULTS = 65536
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _no_gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    raise RuntimeError("probe has no hooked layer")
+
+
+@dataclass
+class _Row:
+    """One request being scored in the current step."""
+
+    key: str
+    token_row: int  # row of the last prompt token in the step's flattened batch
+    num_prompt_tokens: int
+    block_ids: torch.Tensor
+    instruction_mask: torch.Tensor
+    data_mask: torch.Tensor
+    scores: list[torch.Tensor] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class _Layer:
+    index: int
+    local_heads: torch.Tensor  # query heads of this rank to score, local indices
+    global_heads: list[int]
+    impl: Any
+    original_forward: Any
+    had_instance_forward: bool
+
+
+class _Probe:
+    """Probe state of one worker: hooked layers, the current step's plan, finished results."""
+
+    def __init__(self, heads: list[tuple[int, int]], fault_keys: set[str]) -> None:
+        self.heads = heads
+        self.layers: dict[int, _Layer] = {}
+        self.last_layer = -1
+        self.gather: KeyGather = _no_gather
+        self.results: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # internal request id -> probe key while the request still waits for its score, else None
+        self.pending: dict[str, str | None] = {}
+        self.fault_keys = fault_keys
+        self._step: object = None
+        self._rows: list[_Row] = []
+        self._probe_seconds = 0.0
+
+    # -- step planning -------------------------------------------------------------------------
+    def _probe_key(self, runner: Any, req_id: str) -> str | None:
+        if req_id not in self.pending:
+            state = runner.requests.get(req_id)
+            extra = getattr(getattr(state, "sampling_params", None), "extra_args", None) or {}
+            spec = extra.get(PROBE_ARG)
+            self.pending[req_id] = spec["key"] if spec else None
+            if len(self.pending) > 4 * max(len(runner.requests), 256):
+                self.pending = {r: k for r, k in self.pending.items() if r in runner.requests}
+        return self.pending[req_id]
+
+    def plan(self, runner: Any, step: object, metadata: Any) -> list[_Row]:
+        """Rows to score in this step: guarded requests whose last prompt token is computed now.
+
+        ``step`` is the step's forward context: one object per model step, shared by all layers.
+        """
+        if step is self._step:
+            return self._rows
+        self._step, self._rows = step, []
+        self._probe_seconds = 0.0
+        batch_ids = runner.input_batch.req_ids
+        pending = [(i, rid) for i, rid in enumerate(batch_ids) if self._probe_key(runner, rid)]
+        if not pending:
+            return self._rows
+        starts = metadata.query_start_loc.tolist()
+        seq_lens = metadata.seq_lens.tolist()
+        for i, rid in pending:
+            state = runner.requests[rid]
+            num_prompt = state.num_prompt_tokens
+            first_pos = seq_lens[i] - (starts[i + 1] - starts[i])
+            if not first_pos <= num_prompt - 1 < seq_lens[i]:
+                continue  # last prompt token not in this step (earlier chunk, or decode)
+            self.pending[rid] = None  # scored once, even if preempted and recomputed later
+            self._rows.append(self._make_row(state, i, starts[i] + num_prompt - 1 - first_pos, metadata))
+        return self._rows
+
+    def _make_row(self, state: Any, batch_index: int, token_row: int, metadata: Any) -> _Row:
+        spec = state.sampling_params.extra_args[PROBE_ARG]
+        n = state.num_prompt_tokens
+        device = metadata.block_table.device
+        row = _Row(spec["key"], token_row, n, torch.empty(0), torch.empty(0), torch.empty(0))
+        try:
+            block_size = self.block_size
+            row.block_ids = metadata.block_table[batch_index, : (n + block_size - 1) // block_size]
+            row.instruction_mask = spans_to_mask([tuple(s) for s in spec["instruction"]], n, device)
+            row.data_mask = spans_to_mask([tuple(s) for s in spec["data"]], n, device)
+            if spec.get("num_prompt_tokens", n) != n:
+                raise ValueError(f"engine saw {n} prompt tokens, request spans were made for "
+                                 f"{spec['num_prompt_tokens']}")
+        except Exception as exc:  # recorded for this request, never raised into the engine
+            row.error = f"plan: {type(exc).__name__}: {exc}"
+        return row
+
+    # -- per layer -----------------------------------------------------------------------------
+    def score_layer(self, layer: _Layer, query: torch.Tensor, kv_cache: torch.Tensor,
+                    key: torch.Tensor) -> None:
+        for row in self._rows:
+            if row.error is not None:
+                continue
+            try:
+                if row.key in self.fault_keys:
+                    raise RuntimeError("fault injected for testing")
+                keys = self.gather(kv_cache, row.block_ids, row.num_prompt_tokens)
+                if not torch.allclose(keys[-1], key[row.token_row], rtol=1e-3, atol=1e-3):
+                    raise RuntimeError("KV cache layout check failed: cached key of the last "
+                                       "prompt token differs from the key the layer computed")
+                q = query[row.token_row].index_select(0, layer.local_heads)
+                row.scores.append(head_focus_scores(
+                    q, keys, self.kv_index(layer, kv_cache.shape[1]), row.instruction_mask,
+                    row.data_mask, float(layer.impl.scale), layer.impl.logits_soft_cap))
+            except Exception as exc:
+                row.error = f"layer {layer.index}: {type(exc).__name__}: {exc}"
+
+    def kv_index(self, layer: _Layer, local_kv_heads: int) -> torch.Tensor:
+        group = self.local_num_heads // local_kv_heads
+        return torch.div(layer.local_heads, group, rounding_mode="floor")
+
+    def finish_step(self) -> None:
+        """After the last hooked layer: one transfer for all rows, results stored by key."""
+        rows, self._rows = self._rows, []
+        ok = [r for r in rows if r.error is None]
+        values = torch.cat([torch.cat(r.scores) for r in ok]).tolist() if ok else []
+        heads = [(lay.index, h) for lay in self.layers.values() for h in lay.global_heads]
+        latency = self._probe_seconds
+        offset = 0
+        for row in rows:
+            result: dict[str, Any] = {"num_prompt_tokens": row.num_prompt_tokens,
+                                      "probe_seconds": latency / max(len(rows), 1)}
+            if row.error is None:
+                chunk = values[offset : offset + len(heads)]
+                offset += len(heads)
+                result["heads"] = [[lay, h, s] for (lay, h), s in zip(heads, chunk, strict=True)]
+            else:
+                result["error"] = row.error
+            self.results[row.key] = result
+        while len(self.results) > MAX_STORED_RESULTS:
+            self.results.popitem(last=False)
+
+    block_size: int = 0
+    local_num_heads: int = 0
+
+
+def _make_probe_forward(probe: _Probe, layer: _Layer, runner: Any) -> Any:
+    """The wrapper that replaces ``impl.forward`` of one hooked layer."""
+    from vllm.forward_context import get_forward_context
+
+    original = layer.original_forward
+
+    def forward(attn_layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(attn_layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        if attn_metadata is None:  # warm-up and profiling runs
+            return out
+        started = time.perf_counter()
+        try:
+            if probe.plan(runner, get_forward_context(), attn_metadata):
+                probe.score_layer(layer, query, kv_cache, key)
+                if layer.index == probe.last_layer:
+                    probe._probe_seconds += time.perf_counter() - started
+                    probe.finish_step()
+                    return out
+        except Exception as exc:  # a bug here must not take the engine down
+            for row in probe._rows:
+                row.error = row.error or f"probe: {type(exc).__name__}: {exc}"
+        probe._probe_seconds += time.perf_counter() - started
+        return out
+
+    return forward
+
+
+class GuardrailWorkerExtension:
+    """Mixed into vLLM's worker class; every public method is called through ``collective_rpc``."""
+
+    _guardrail_probe: _Probe | None = None
+    _guardrail_faults: set[str]
+
+    def guardrail_model_info(self) -> dict[str, Any]:
+        """Sizes, backend and compilation facts the caller validates configs against."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        from vllm.distributed import parallel_state
+
+        vcfg = runner.vllm_config
+        text_cfg = vcfg.model_config.hf_text_config
+        layers = self._attention_layers()
+        impl = next(iter(layers.values())).impl
+        cudagraph_mode = getattr(vcfg.compilation_config, "cudagraph_mode", None)
+        return {
+            "num_layers": int(text_cfg.num_hidden_layers),
+            "num_heads": int(text_cfg.num_attention_heads),
+            "num_kv_heads": int(getattr(text_cfg, "num_key_value_heads", text_cfg.num_attention_heads)),
+            "hidden_size": int(text_cfg.hidden_size),
+            "attention_layers": len(layers),
+            "backend": type(impl).__name__,
+            "isa": getattr(next(iter(layers.values())), "isa", None),
+            "kv_cache_dtype": str(vcfg.cache_config.cache_dtype),
+            "block_size": int(vcfg.cache_config.block_size),
+            "enforce_eager": bool(vcfg.model_config.enforce_eager),
+            "compilation_mode": str(getattr(vcfg.compilation_config, "mode", None)),
+            "cudagraph_mode": str(cudagraph_mode),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "device": str(runner.device),
+        }
+
+    def _attention_layers(self) -> dict[int, Any]:
+        context = self.model_runner.vllm_config.compilation_config.static_forward_context  # type: ignore[attr-defined]
+        layers = {}
+        for name, module in context.items():
+            match = _LAYER_INDEX.search(name)
+            if match and hasattr(module, "impl"):
+                layers[int(match.group(1))] = module
+        return layers
+
+    def guardrail_install(self, heads: list[list[int]]) -> dict[str, Any]:
+        """Install the probe on the layers holding ``heads`` ([layer, head], global indices)."""
+        self.guardrail_uninstall()
+        info = self.guardrail_model_info()
+        if info["kv_cache_dtype"] not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"quantized KV cache ({info['kv_cache_dtype']}) is not supported by "
+                             "the probe: keys read back would be quantized; use kv_cache_dtype='auto'")
+        layers = self._attention_layers()
+        per_rank = info["num_heads"] // info["tp_size"]
+        lo = info["tp_rank"] * per_rank
+        self._guardrail_faults = getattr(self, "_guardrail_faults", set())
+        probe = _Probe([(int(a), int(b)) for a, b in heads], self._guardrail_faults)
+        probe.block_size, probe.local_num_heads = info["block_size"], per_rank
+        by_layer: dict[int, list[int]] = {}
+        for layer_index, head in probe.heads:
+            if lo <= head < lo + per_rank:
+                by_layer.setdefault(layer_index, []).append(head)
+        for layer_index, global_heads in sorted(by_layer.items()):
+            module = layers[layer_index]
+            probe.gather = key_gather_for(type(module.impl).__name__, getattr(module, "isa", None))
+            layer = _Layer(layer_index, torch.tensor([h - lo for h in global_heads],
+                                                     device=self.model_runner.device),  # type: ignore[attr-defined]
+                           global_heads, module.impl, module.impl.forward,
+                           "forward" in vars(module.impl))
+            module.impl.forward = _make_probe_forward(probe, layer, self.model_runner)  # type: ignore[attr-defined]
+            probe.layers[layer_index] = layer
+        probe.last_layer = max(probe.layers, default=-1)
+        self._guardrail_probe = probe
+        return {**info, "hooked_layers": sorted(probe.layers)}
+
+    def guardrail_uninstall(self) -> None:
+        """Remove the probe; the engine runs exactly as before it was installed."""
+        probe = self._guardrail_probe
+        if probe is not None:
+            for layer in probe.layers.values():
+                if layer.had_instance_forward:
+                    layer.impl.forward = layer.original_forward
+                else:
+                    del layer.impl.forward  # back to the class's method
+        self._guardrail_probe = None
+
+    def guardrail_pop_results(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        """Remove and return the stored results of ``keys`` (missing keys are absent)."""
+        probe = self._guardrail_probe
+        if probe is None:
+            return {}
+        return {k: probe.results.pop(k) for k in keys if k in probe.results}
+
+    def guardrail_set_faults(self, keys: list[str]) -> None:
+        """Testing hook: requests with these probe keys fail inside the probe."""
+        self._guardrail_faults = getattr(self, "_guardrail_faults", set())
+        self._guardrail_faults.clear()
+        self._guardrail_faults.update(keys)

@@ -1,0 +1,262 @@
+"""``HookedLLM``: a vLLM engine whose Attention Tracker probe runs inside the real generation.
+
+One pass: the probe reads attention during the prefill of the request's own generation (no
+extra probe pass), computes per-head focus scores inside the worker on the model's device, and
+returns a few numbers per request. The caller-side work here is rendering prompts into token
+spans, attaching each request's probe spec, and matching results back by the key it carries.
+
+Example:
+    >>> with HookedLLM(dtype="float32") as llm:  # doctest: +SKIP
+    ...     out = llm.generate([("Summarize the email.", "Hi, lunch at noon?")])[0]
+    ...     print(out.probe.focus, out.text)
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from guardrail.config import ModelProbeConfig, load_model_config, read_model_config
+from guardrail.errors import ConfigError, EngineNotGuardableError, GuardrailError
+from guardrail.prompts import PreparedPrompt, RequestLike, prepare_prompt
+from guardrail.scoring import HeadKey
+
+WORKER_EXTENSION = "guardrail._vllm_worker.GuardrailWorkerExtension"
+PROBE_ARG = "guardrail_probe"  # same value as guardrail._vllm_worker.PROBE_ARG (kept import-free)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe measured for one request (``error`` set when it could not score)."""
+
+    focus: float | None
+    head_scores: dict[HeadKey, float] = field(default_factory=dict)
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    probe_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class GuardedOutput:
+    """One request's result: its prompt and spans (for audit), the text, and the probe result.
+
+    ``error`` is set (and ``probe`` is None) when the request itself was invalid; it was then not
+    sent to the engine, and the other requests of the batch were answered normally.
+    """
+
+    index: int
+    prompt: PreparedPrompt | None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    probe: ProbeResult | None = None
+    error: GuardrailError | None = None
+
+
+def _merge_rank_results(per_rank: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Tensor-parallel ranks each score their own heads; union them (errors win)."""
+    merged: dict[str, Any] = {"heads": {}, "error": None, "num_prompt_tokens": 0, "seconds": 0.0}
+    for rank in per_rank:
+        result = rank.get(key)
+        if result is None:
+            continue
+        merged["error"] = merged["error"] or result.get("error")
+        merged["num_prompt_tokens"] = result["num_prompt_tokens"]
+        merged["seconds"] = max(merged["seconds"], result["probe_seconds"])
+        for layer, head, score in result.get("heads", []):
+            merged["heads"][(layer, head)] = score
+    return merged
+
+
+class HookedLLM:
+    """A ``vllm.LLM`` with the guardrail probe installed in its workers.
+
+    ``model`` is a model path or id (default: the embedded SmolLM2-135M-Instruct);
+    ``probe_config`` a ``ModelProbeConfig``, a JSON path, or None to use the shipped config for
+    the model; ``probe_heads`` overrides which heads are scored ("all" scores every head of
+    every layer, for calibration). Other keyword arguments go to ``vllm.LLM`` unchanged.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        probe_config: ModelProbeConfig | str | Path | None = None,
+        *,
+        probe_heads: Sequence[HeadKey] | str | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if "worker_extension_cls" in engine_kwargs:
+            raise ConfigError("worker_extension_cls is set by HookedLLM (the probe lives there); "
+                              "remove it from the engine arguments")
+        if model is None:
+            from guardrail.embedded import embedded_model_path
+
+            model = embedded_model_path()
+        self.model = str(model)
+        self.config = self._resolve_config(probe_config)
+        from vllm import LLM
+
+        self.llm = LLM(model=self.model, worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
+        try:
+            self._install(probe_heads)
+        except BaseException:
+            self.close()
+            raise
+
+    def _resolve_config(self, probe_config: ModelProbeConfig | str | Path | None) -> ModelProbeConfig:
+        if isinstance(probe_config, ModelProbeConfig):
+            return probe_config
+        if probe_config is not None:
+            return read_model_config(probe_config)
+        return load_model_config(self.model)
+
+    def _install(self, probe_heads: Sequence[HeadKey] | str | None) -> None:
+        info = self.llm.collective_rpc("guardrail_model_info")[0]
+        self.model_info: dict[str, Any] = info
+        if "FULL" in info["cudagraph_mode"] and "DECODE_ONLY" not in info["cudagraph_mode"] \
+                and "PIECEWISE" not in info["cudagraph_mode"]:
+            raise EngineNotGuardableError(
+                f"cudagraph_mode {info['cudagraph_mode']} replays prefill as a full CUDA graph, where "
+                "the probe cannot run; use the default FULL_AND_PIECEWISE, PIECEWISE, or "
+                "enforce_eager=True"
+            )
+        self.config.check_fits(info["num_layers"], info["num_heads"])
+        if probe_heads == "all":
+            heads = [(lay, h) for lay in range(info["num_layers"]) for h in range(info["num_heads"])]
+        elif probe_heads is not None:
+            heads = [tuple(h) for h in probe_heads]  # type: ignore[misc]
+            ModelProbeConfig(model_id="override", heads=heads).check_fits(
+                info["num_layers"], info["num_heads"])
+        else:
+            heads = list(self.config.heads)
+        self.probe_heads: list[HeadKey] = heads
+        try:
+            self.llm.collective_rpc("guardrail_install", args=([list(h) for h in heads],))
+        except ValueError as exc:
+            raise EngineNotGuardableError(str(exc)) from exc
+        self._self_test()
+
+    def _self_test(self) -> None:
+        """Refuse to run unguarded: one real request must come back scored."""
+        out = self.generate([("Reply with OK.", "self test")], self._sampling(max_tokens=1))[0]
+        if out.probe is None or out.probe.error is not None or out.probe.focus is None:
+            reason = out.probe.error if out.probe else out.error
+            raise EngineNotGuardableError(
+                f"the probe did not fire in this engine configuration ({reason}); this happens when "
+                "the attention implementation runs inside a captured graph. Start the engine with "
+                "enforce_eager=True."
+            )
+
+    @staticmethod
+    def _sampling(**kwargs: Any) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(**{"temperature": 0.0, **kwargs})
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    def prepare(self, request: RequestLike) -> PreparedPrompt:
+        """Render one request into token ids and spans (raises ``RequestError`` if invalid)."""
+        max_len = self.llm.llm_engine.model_config.max_model_len
+        return prepare_prompt(request, self.tokenizer, max_tokens=max_len)
+
+    def generate(
+        self,
+        requests: Sequence[RequestLike],
+        sampling_params: Any | Sequence[Any] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[GuardedOutput]:
+        """Generate for each request with the probe on; one ``GuardedOutput`` per request, in order.
+
+        An invalid request gets an output with ``error`` set and is not sent to the engine; the
+        others are answered. A request whose score did not come back has ``probe.error`` set.
+        """
+        from vllm.inputs import TokensPrompt
+
+        if isinstance(requests, str | tuple):
+            raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
+        params = self._per_request_params(sampling_params, len(requests))
+        outputs: list[GuardedOutput | None] = [None] * len(requests)
+        batch, batch_params, keys, indices = [], [], [], []
+        for i, request in enumerate(requests):
+            try:
+                prepared = self.prepare(request)
+            except GuardrailError as exc:
+                outputs[i] = GuardedOutput(index=i, prompt=None, error=exc)
+                continue
+            key = uuid.uuid4().hex
+            batch.append((prepared, TokensPrompt(prompt_token_ids=prepared.token_ids)))
+            batch_params.append(self._with_probe(params[i], prepared.probe_spec(key)))
+            keys.append(key)
+            indices.append(i)
+        if batch:
+            results = self.llm.generate([p for _, p in batch], batch_params, use_tqdm=use_tqdm)
+            per_rank = self.llm.collective_rpc("guardrail_pop_results", args=(keys,))
+            for (prepared, _), key, i, result in zip(batch, keys, indices, results, strict=True):
+                outputs[i] = self._output(i, prepared, result, _merge_rank_results(per_rank, key))
+        return [o for o in outputs if o is not None]
+
+    def score(self, requests: Sequence[RequestLike]) -> list[GuardedOutput]:
+        """Run the probe alone: prefill plus one sampled token, no text worth reading."""
+        return self.generate(requests, self._sampling(max_tokens=1))
+
+    def _per_request_params(self, sampling_params: Any, n: int) -> list[Any]:
+        if sampling_params is None:
+            return [self._sampling(max_tokens=64)] * n
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != n:
+                raise ConfigError(f"got {len(sampling_params)} sampling params for {n} requests; "
+                                  "pass one, or one per request")
+            return list(sampling_params)
+        return [sampling_params] * n
+
+    @staticmethod
+    def _with_probe(params: Any, spec: dict[str, Any]) -> Any:
+        params = params.clone()
+        params.extra_args = {**(params.extra_args or {}), PROBE_ARG: spec}
+        return params
+
+    def _output(self, index: int, prepared: PreparedPrompt, result: Any,
+                merged: dict[str, Any]) -> GuardedOutput:
+        completion = result.outputs[0]
+        heads: dict[HeadKey, float] = merged["heads"]
+        error = merged["error"]
+        if error is None and not heads:
+            error = "missing: the probe returned no score for this request"
+        elif error is None and any(h not in heads for h in self.config.heads):
+            error = "incomplete: some configured heads were not scored"
+        focus = None if error else self.config.focus(heads)
+        probe = ProbeResult(focus=focus, head_scores=heads, error=error,
+                            num_prompt_tokens=merged["num_prompt_tokens"],
+                            probe_seconds=merged["seconds"])
+        return GuardedOutput(index=index, prompt=prepared, text=completion.text,
+                             token_ids=list(completion.token_ids),
+                             finish_reason=completion.finish_reason,
+                             num_cached_tokens=int(result.num_cached_tokens or 0), probe=probe)
+
+    def set_probe_faults(self, keys: Sequence[str]) -> None:
+        """Testing hook: make the probe fail for requests whose probe key is in ``keys``."""
+        self.llm.collective_rpc("guardrail_set_faults", args=(list(keys),))
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            self.llm = None  # type: ignore[assignment]
+
+    def __enter__(self) -> HookedLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,48 @@
+"""Independent reference: Attention Tracker scores from Hugging Face eager attention.
+
+Runs the same weights and token ids through transformers with ``attn_implementation="eager"``
+and ``output_attentions=True``, and reads the last token's attention rows directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+
+@lru_cache(maxsize=2)
+def _load(model_dir: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def hf_head_scores(
+    model_dir: str,
+    token_ids: Sequence[int],
+    instruction_spans: Sequence[tuple[int, int]],
+    data_spans: Sequence[tuple[int, int]],
+    heads: Sequence[tuple[int, int]],
+) -> dict[tuple[int, int], float]:
+    """Focus per (layer, head) from HF eager attention of the last prompt token."""
+    model = _load(model_dir)
+    with torch.no_grad():
+        out = model(torch.tensor([list(token_ids)]), output_attentions=True)
+    instr = torch.zeros(len(token_ids), dtype=torch.bool)
+    data = torch.zeros(len(token_ids), dtype=torch.bool)
+    for a, b in instruction_spans:
+        instr[a:b] = True
+    for a, b in data_spans:
+        data[a:b] = True
+    scores = {}
+    for layer, head in heads:
+        row = out.attentions[layer][0, head, -1].double()
+        on_i, on_d = row[instr].sum().item(), row[data].sum().item()
+        scores[(layer, head)] = on_i / (on_i + on_d + 1e-8)
+    return scores

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from guardrail.kv_layout import KeyGather, key_gather_for
 from guardrail.scoring import head_focus_scores, spans_to_mask
@@ -35,6 +36,10 @@ PROBE_ARG = "guardrail_probe"
 """Key in ``SamplingParams.extra_args`` that carries a request's probe spec."""
 
 MAX_STORED_RESULTS = 65536
+
+# The probe of each engine in this process, by id() of the engine's VllmConfig: the logits
+# processor below is built by vLLM before the probe is installed, and finds it here.
+_PROBES: dict[int, _Probe] = {}
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -54,6 +59,8 @@ class _Row:
     data_mask: torch.Tensor
     scores: list[torch.Tensor] = field(default_factory=list)
     error: str | None = None
+    stop_below: float | None = None
+    stop_on_error: bool = True
 
 
 @dataclass
@@ -78,6 +85,7 @@ class _Probe:
         # internal request id -> probe key while the request still waits for its score, else None
         self.pending: dict[str, str | None] = {}
         self.fault_keys = fault_keys
+        self.stop_keys: set[str] = set()  # keys whose next sampled token must be the stop token
         self._step: object = None
         self._rows: list[_Row] = []
         self._probe_seconds = 0.0
@@ -122,7 +130,8 @@ class _Probe:
         spec = state.sampling_params.extra_args[PROBE_ARG]
         n = state.num_prompt_tokens
         device = metadata.block_table.device
-        row = _Row(spec["key"], token_row, n, torch.empty(0), torch.empty(0), torch.empty(0))
+        row = _Row(spec["key"], token_row, n, torch.empty(0), torch.empty(0), torch.empty(0),
+                   stop_below=spec.get("stop_below"), stop_on_error=spec.get("stop_on_error", True))
         try:
             block_size = self.block_size
             row.block_ids = metadata.block_table[batch_index, : (n + block_size - 1) // block_size]
@@ -176,12 +185,33 @@ class _Probe:
                 result["heads"] = [[lay, h, s] for (lay, h), s in zip(heads, chunk, strict=True)]
             else:
                 result["error"] = row.error
+            self._decide_stop(row, result, dict(zip(heads, chunk, strict=True)) if row.error is None else None)
             self.results[row.key] = result
         while len(self.results) > MAX_STORED_RESULTS:
             self.results.popitem(last=False)
 
+    def _decide_stop(self, row: _Row, result: dict[str, Any], scores: dict[Any, float] | None) -> None:
+        """Early stop: a request whose focus is at or below its ``stop_below`` ends right after
+        prefill (its first sampled token is forced to its stop token)."""
+        if row.stop_below is None:
+            return
+        if scores is None or self.config is None:
+            stop = row.stop_on_error
+        else:
+            try:
+                focus = self.config.focus(scores)
+                result["focus"] = focus
+                stop = focus <= row.stop_below
+            except Exception as exc:
+                result["error"] = f"aggregate: {type(exc).__name__}: {exc}"
+                stop = row.stop_on_error
+        if stop:
+            self.stop_keys.add(row.key)
+            result["stopped"] = True
+
     block_size: int = 0
     local_num_heads: int = 0
+    config: Any = None  # ModelProbeConfig when this rank holds every head (stop decisions)
 
 
 def _make_probe_forward(probe: _Probe, layer: _Layer, runner: Any) -> Any:
@@ -255,8 +285,12 @@ class GuardrailWorkerExtension:
                 layers[int(match.group(1))] = module
         return layers
 
-    def guardrail_install(self, heads: list[list[int]]) -> dict[str, Any]:
-        """Install the probe on the layers holding ``heads`` ([layer, head], global indices)."""
+    def guardrail_install(self, heads: list[list[int]], config: dict[str, Any]) -> dict[str, Any]:
+        """Install the probe on the layers holding ``heads`` ([layer, head], global indices).
+
+        ``config`` is the model's ``ModelProbeConfig`` as plain data: with every head on this
+        rank, the worker combines head scores into the focus itself (for early stops).
+        """
         self.guardrail_uninstall()
         info = self.guardrail_model_info()
         if info["kv_cache_dtype"] not in ("auto", "float32", "float16", "bfloat16"):
@@ -282,7 +316,12 @@ class GuardrailWorkerExtension:
             module.impl.forward = _make_probe_forward(probe, layer, self.model_runner)  # type: ignore[attr-defined]
             probe.layers[layer_index] = layer
         probe.last_layer = max(probe.layers, default=-1)
+        if info["tp_size"] == 1:
+            from guardrail.config import ModelProbeConfig
+
+            probe.config = ModelProbeConfig.model_validate(config)
         self._guardrail_probe = probe
+        _PROBES[id(self.model_runner.vllm_config)] = probe  # type: ignore[attr-defined]
         return {**info, "hooked_layers": sorted(probe.layers)}
 
     def guardrail_uninstall(self) -> None:
@@ -295,6 +334,7 @@ class GuardrailWorkerExtension:
                 else:
                     del layer.impl.forward  # back to the class's method
         self._guardrail_probe = None
+        _PROBES.pop(id(self.model_runner.vllm_config), None)  # type: ignore[attr-defined]
 
     def guardrail_pop_results(self, keys: list[str]) -> dict[str, dict[str, Any]]:
         """Remove and return the stored results of ``keys`` (missing keys are absent)."""
@@ -308,3 +348,52 @@ class GuardrailWorkerExtension:
         self._guardrail_faults = getattr(self, "_guardrail_faults", set())
         self._guardrail_faults.clear()
         self._guardrail_faults.update(keys)
+
+
+class ProbeStopLogitsProcessor(LogitsProcessor):
+    """vLLM logits processor that ends probe-stopped requests right after their prefill.
+
+    In the step where the probe decides to stop a request, this forces the request's first
+    sampled token to its stop token, so the scheduler finishes it: one token, no decode steps.
+    """
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self._config_id = id(vllm_config)
+        self._rows: dict[int, tuple[str, int]] = {}  # batch index -> (probe key, stop token)
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        return None
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: Any) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self._rows.pop(index, None)
+        for index, params, _prompt, _output in batch_update.added:
+            spec = (params.extra_args or {}).get(PROBE_ARG) if params is not None else None
+            if spec and spec.get("stop_token") is not None:
+                self._rows[index] = (spec["key"], int(spec["stop_token"]))
+            else:
+                self._rows.pop(index, None)
+        for a, b, direction in batch_update.moved:
+            moving = self._rows.pop(a, None)
+            other = self._rows.pop(b, None)
+            if direction.name == "SWAP" and other is not None:
+                self._rows[a] = other
+            if moving is not None:
+                self._rows[b] = moving
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        probe = _PROBES.get(self._config_id)
+        if probe is None or not probe.stop_keys:
+            return logits
+        for index, (key, stop_token) in self._rows.items():
+            if key in probe.stop_keys and index < logits.shape[0]:
+                probe.stop_keys.discard(key)
+                logits[index] = float("-inf")
+                logits[index, stop_token] = 0.0
+        return logits

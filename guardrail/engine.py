@@ -25,6 +25,7 @@ from guardrail.prompts import PreparedPrompt, RequestLike, prepare_prompt
 from guardrail.scoring import HeadKey
 
 WORKER_EXTENSION = "guardrail._vllm_worker.GuardrailWorkerExtension"
+STOP_PROCESSOR = "guardrail._vllm_worker:ProbeStopLogitsProcessor"
 PROBE_ARG = "guardrail_probe"  # same value as guardrail._vllm_worker.PROBE_ARG (kept import-free)
 
 
@@ -37,6 +38,7 @@ class ProbeResult:
     error: str | None = None
     num_prompt_tokens: int = 0
     probe_seconds: float = 0.0
+    stopped: bool = False  # ended right after prefill by ``stop_below``
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class GuardedOutput:
 
 def _merge_rank_results(per_rank: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """Tensor-parallel ranks each score their own heads; union them (errors win)."""
-    merged: dict[str, Any] = {"heads": {}, "error": None, "num_prompt_tokens": 0, "seconds": 0.0}
+    merged: dict[str, Any] = {"heads": {}, "error": None, "num_prompt_tokens": 0, "seconds": 0.0,
+                              "stopped": False}
     for rank in per_rank:
         result = rank.get(key)
         if result is None:
@@ -67,6 +70,7 @@ def _merge_rank_results(per_rank: list[dict[str, Any]], key: str) -> dict[str, A
         merged["error"] = merged["error"] or result.get("error")
         merged["num_prompt_tokens"] = result["num_prompt_tokens"]
         merged["seconds"] = max(merged["seconds"], result["probe_seconds"])
+        merged["stopped"] = merged["stopped"] or bool(result.get("stopped"))
         for layer, head, score in result.get("heads", []):
             merged["heads"][(layer, head)] = score
     return merged
@@ -100,7 +104,9 @@ class HookedLLM:
         self.config = self._resolve_config(probe_config)
         from vllm import LLM
 
-        self.llm = LLM(model=self.model, worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
+        processors = [*(engine_kwargs.pop("logits_processors", None) or []), STOP_PROCESSOR]
+        self.llm = LLM(model=self.model, worker_extension_cls=WORKER_EXTENSION,
+                       logits_processors=processors, **engine_kwargs)
         try:
             self._install(probe_heads)
         except BaseException:
@@ -135,7 +141,10 @@ class HookedLLM:
             heads = list(self.config.heads)
         self.probe_heads: list[HeadKey] = heads
         try:
-            self.llm.collective_rpc("guardrail_install", args=([list(h) for h in heads],))
+            self.llm.collective_rpc(
+                "guardrail_install",
+                args=([list(h) for h in heads], self.config.model_dump(mode="json")),
+            )
         except ValueError as exc:
             raise EngineNotGuardableError(str(exc)) from exc
         self._self_test()
@@ -171,18 +180,26 @@ class HookedLLM:
         requests: Sequence[RequestLike],
         sampling_params: Any | Sequence[Any] | None = None,
         *,
+        stop_below: float | Sequence[float | None] | None = None,
+        stop_on_probe_error: bool | Sequence[bool] = True,
         use_tqdm: bool = False,
     ) -> list[GuardedOutput]:
         """Generate for each request with the probe on; one ``GuardedOutput`` per request, in order.
 
-        An invalid request gets an output with ``error`` set and is not sent to the engine; the
-        others are answered. A request whose score did not come back has ``probe.error`` set.
+        ``stop_below`` (one value or one per request) ends a request right after its prefill,
+        inside the engine, when its focus is at or below the value (or, with
+        ``stop_on_probe_error``, when the probe failed): it decodes a single stop token and
+        no more. An invalid request gets an output with ``error`` set and is not sent to the
+        engine; the others are answered. A request whose score did not come back has
+        ``probe.error`` set.
         """
         from vllm.inputs import TokensPrompt
 
         if isinstance(requests, str | tuple):
             raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
         params = self._per_request_params(sampling_params, len(requests))
+        stops = self._per_request(stop_below, len(requests), "stop_below")
+        on_error = self._per_request(stop_on_probe_error, len(requests), "stop_on_probe_error")
         outputs: list[GuardedOutput | None] = [None] * len(requests)
         batch, batch_params, keys, indices = [], [], [], []
         for i, request in enumerate(requests):
@@ -193,7 +210,10 @@ class HookedLLM:
                 continue
             key = uuid.uuid4().hex
             batch.append((prepared, TokensPrompt(prompt_token_ids=prepared.token_ids)))
-            batch_params.append(self._with_probe(params[i], prepared.probe_spec(key)))
+            spec = prepared.probe_spec(key)
+            if stops[i] is not None:
+                spec.update(self._stop_spec(params[i], stops[i], bool(on_error[i])))
+            batch_params.append(self._with_probe(params[i], spec))
             keys.append(key)
             indices.append(i)
         if batch:
@@ -218,9 +238,31 @@ class HookedLLM:
         return [sampling_params] * n
 
     @staticmethod
+    def _per_request(value: Any, n: int, name: str) -> list[Any]:
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            if len(value) != n:
+                raise ConfigError(f"got {len(value)} values of {name} for {n} requests")
+            return list(value)
+        return [value] * n
+
+    def _stop_spec(self, params: Any, stop_below: float, on_error: bool) -> dict[str, Any]:
+        if self.model_info["tp_size"] != 1:
+            raise ConfigError("early stop (stop_below) needs the whole probe on one rank; it is "
+                              "not supported with tensor_parallel_size > 1 yet")
+        if getattr(params, "min_tokens", 0):
+            raise ConfigError("stop_below cannot end a request that sets min_tokens > 0")
+        stop_token = self.tokenizer.eos_token_id
+        if stop_token is None:
+            raise ConfigError("the tokenizer has no eos token to end stopped requests with")
+        return {"stop_below": float(stop_below), "stop_on_error": on_error,
+                "stop_token": int(stop_token)}
+
+    @staticmethod
     def _with_probe(params: Any, spec: dict[str, Any]) -> Any:
         params = params.clone()
         params.extra_args = {**(params.extra_args or {}), PROBE_ARG: spec}
+        if "stop_token" in spec and spec["stop_token"] not in (params.stop_token_ids or []):
+            params.stop_token_ids = [*(params.stop_token_ids or []), spec["stop_token"]]
         return params
 
     def _output(self, index: int, prepared: PreparedPrompt, result: Any,
@@ -235,7 +277,7 @@ class HookedLLM:
         focus = None if error else self.config.focus(heads)
         probe = ProbeResult(focus=focus, head_scores=heads, error=error,
                             num_prompt_tokens=merged["num_prompt_tokens"],
-                            probe_seconds=merged["seconds"])
+                            probe_seconds=merged["seconds"], stopped=merged["stopped"])
         return GuardedOutput(index=index, prompt=prepared, text=completion.text,
                              token_ids=list(completion.token_ids),
                              finish_reason=completion.finish_reason,

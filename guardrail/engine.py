@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,17 @@ def _merge_rank_results(per_rank: list[dict[str, Any]], key: str) -> dict[str, A
     return merged
 
 
+def _check_sizes_from_files(model: str, config: ModelProbeConfig) -> None:
+    """Fail before the engine starts when a local model's config.json shows the heads do not fit."""
+    config_file = Path(model) / "config.json"
+    if not config_file.is_file():
+        return  # a hub id: checked against the loaded model after start
+    hf = json.loads(config_file.read_text())
+    hf = hf.get("text_config", hf)
+    if "num_hidden_layers" in hf and "num_attention_heads" in hf:
+        config.check_fits(int(hf["num_hidden_layers"]), int(hf["num_attention_heads"]))
+
+
 class HookedLLM:
     """A ``vllm.LLM`` with the guardrail probe installed in its workers.
 
@@ -102,6 +114,7 @@ class HookedLLM:
             model = embedded_model_path()
         self.model = str(model)
         self.config = self._resolve_config(probe_config)
+        _check_sizes_from_files(self.model, self.config)
         from vllm import LLM
 
         processors = [*(engine_kwargs.pop("logits_processors", None) or []), STOP_PROCESSOR]

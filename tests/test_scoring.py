@@ -1,0 +1,75 @@
+"""Score math on synthetic tensors, against a direct full-attention computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from guardrail.scoring import head_focus_scores, logistic_focus, mean_focus, spans_to_mask
+
+
+def _reference(q, k, kv_index, instr, data, scale, softcap=None):
+    """Plain loop: per head, full softmax row, then the instruction share."""
+    out = []
+    for h in range(q.shape[0]):
+        logits = (k[:, kv_index[h]] @ q[h]) * scale
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        a = torch.softmax(logits.double(), 0)
+        i, d = a[instr].sum(), a[data].sum()
+        out.append((i / (i + d + 1e-8)).item())
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_head_focus_matches_reference_with_gqa(softcap):
+    g = torch.Generator().manual_seed(0)
+    tokens, heads, kv_heads, dim = 57, 6, 2, 16
+    q = torch.randn(heads, dim, generator=g) * 3
+    k = torch.randn(tokens, kv_heads, dim, generator=g) * 3
+    kv_index = torch.arange(heads) // (heads // kv_heads)
+    instr = spans_to_mask([(2, 20)], tokens)
+    data = spans_to_mask([(25, 50), (52, 55)], tokens)
+    got = head_focus_scores(q, k, kv_index, instr, data, 1 / math.sqrt(dim), softcap)
+    want = _reference(q, k, kv_index, instr, data, 1 / math.sqrt(dim), softcap)
+    assert got.shape == (heads,)
+    torch.testing.assert_close(got.double(), want.double(), atol=1e-6, rtol=0)
+
+
+def test_head_focus_reads_the_right_kv_head():
+    # kv head 1 makes every query look at the data; kv head 0 at the instruction.
+    k = torch.zeros(4, 2, 2)
+    k[0, 0] = torch.tensor([10.0, 0.0])  # instruction token, kv head 0
+    k[3, 1] = torch.tensor([10.0, 0.0])  # data token, kv head 1
+    q = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    instr, data = spans_to_mask([(0, 1)], 4), spans_to_mask([(3, 4)], 4)
+    scores = head_focus_scores(q, k, torch.tensor([0, 1]), instr, data, 1.0)
+    assert scores[0] > 0.99 and scores[1] < 0.01
+
+
+def test_inputs_are_not_mutated():
+    q, k = torch.randn(2, 4), torch.randn(5, 1, 4)
+    q0, k0 = q.clone(), k.clone()
+    head_focus_scores(q, k, torch.tensor([0, 0]), spans_to_mask([(0, 2)], 5),
+                      spans_to_mask([(2, 5)], 5), 0.5, 10.0)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+def test_no_data_span_gives_full_focus():
+    q, k = torch.randn(3, 8), torch.randn(10, 1, 8)
+    scores = head_focus_scores(q, k, torch.zeros(3, dtype=torch.long),
+                               spans_to_mask([(0, 4)], 10), spans_to_mask([], 10), 0.3)
+    assert torch.allclose(scores, torch.ones(3), atol=1e-6)
+
+
+def test_aggregations():
+    scores = {(1, 0): 0.2, (2, 3): 0.8, (5, 5): 0.5}
+    assert mean_focus(scores, [(1, 0), (2, 3)]) == pytest.approx(0.5)
+    # logistic: weights predict injection; focus = 1 - sigmoid(z)
+    z = 0.3 + (-4.0 * 0.2) + (1.5 * 0.8)
+    want = 1 - 1 / (1 + math.exp(-z))
+    assert logistic_focus(scores, [(1, 0), (2, 3)], [-4.0, 1.5], 0.3) == pytest.approx(want)
+    assert logistic_focus({(0, 0): 1.0}, [(0, 0)], [-1000.0], 0.0) == pytest.approx(1.0)
+    assert logistic_focus({(0, 0): 1.0}, [(0, 0)], [1000.0], 0.0) == pytest.approx(0.0)

@@ -57,8 +57,11 @@ __all__ = [
     "read_model_config",
 ]
 
-_LAZY = {"HookedLLM": "guardrail.engine", "GuardedOutput": "guardrail.engine",
-         "ProbeResult": "guardrail.engine"}
+_LAZY = {
+    "HookedLLM": "guardrail.engine",
+    "GuardedOutput": "guardrail.engine",
+    "ProbeResult": "guardrail.engine",
+}
 
 
 def __getattr__(name: str) -> Any:

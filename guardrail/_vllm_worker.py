@@ -123,30 +123,43 @@ class _Probe:
             if not first_pos <= num_prompt - 1 < seq_lens[i]:
                 continue  # last prompt token not in this step (earlier chunk, or decode)
             self.pending[rid] = None  # scored once, even if preempted and recomputed later
-            self._rows.append(self._make_row(state, i, starts[i] + num_prompt - 1 - first_pos, metadata))
+            self._rows.append(
+                self._make_row(state, i, starts[i] + num_prompt - 1 - first_pos, metadata)
+            )
         return self._rows
 
     def _make_row(self, state: Any, batch_index: int, token_row: int, metadata: Any) -> _Row:
         spec = state.sampling_params.extra_args[PROBE_ARG]
         n = state.num_prompt_tokens
         device = metadata.block_table.device
-        row = _Row(spec["key"], token_row, n, torch.empty(0), torch.empty(0), torch.empty(0),
-                   stop_below=spec.get("stop_below"), stop_on_error=spec.get("stop_on_error", True))
+        row = _Row(
+            spec["key"],
+            token_row,
+            n,
+            torch.empty(0),
+            torch.empty(0),
+            torch.empty(0),
+            stop_below=spec.get("stop_below"),
+            stop_on_error=spec.get("stop_on_error", True),
+        )
         try:
             block_size = self.block_size
             row.block_ids = metadata.block_table[batch_index, : (n + block_size - 1) // block_size]
             row.instruction_mask = spans_to_mask([tuple(s) for s in spec["instruction"]], n, device)
             row.data_mask = spans_to_mask([tuple(s) for s in spec["data"]], n, device)
             if spec.get("num_prompt_tokens", n) != n:
-                raise ValueError(f"engine saw {n} prompt tokens, request spans were made for "
-                                 f"{spec['num_prompt_tokens']}")
+                raise ValueError(
+                    f"engine saw {n} prompt tokens, request spans were made for "
+                    f"{spec['num_prompt_tokens']}"
+                )
         except Exception as exc:  # recorded for this request, never raised into the engine
             row.error = f"plan: {type(exc).__name__}: {exc}"
         return row
 
     # -- per layer -----------------------------------------------------------------------------
-    def score_layer(self, layer: _Layer, query: torch.Tensor, kv_cache: torch.Tensor,
-                    key: torch.Tensor) -> None:
+    def score_layer(
+        self, layer: _Layer, query: torch.Tensor, kv_cache: torch.Tensor, key: torch.Tensor
+    ) -> None:
         for row in self._rows:
             if row.error is not None:
                 continue
@@ -155,12 +168,22 @@ class _Probe:
                     raise RuntimeError("fault injected for testing")
                 keys = self.gather(kv_cache, row.block_ids, row.num_prompt_tokens)
                 if not torch.allclose(keys[-1], key[row.token_row], rtol=1e-3, atol=1e-3):
-                    raise RuntimeError("KV cache layout check failed: cached key of the last "
-                                       "prompt token differs from the key the layer computed")
+                    raise RuntimeError(
+                        "KV cache layout check failed: cached key of the last "
+                        "prompt token differs from the key the layer computed"
+                    )
                 q = query[row.token_row].index_select(0, layer.local_heads)
-                row.scores.append(head_focus_scores(
-                    q, keys, self.kv_index(layer, kv_cache.shape[1]), row.instruction_mask,
-                    row.data_mask, float(layer.impl.scale), layer.impl.logits_soft_cap))
+                row.scores.append(
+                    head_focus_scores(
+                        q,
+                        keys,
+                        self.kv_index(layer, kv_cache.shape[1]),
+                        row.instruction_mask,
+                        row.data_mask,
+                        float(layer.impl.scale),
+                        layer.impl.logits_soft_cap,
+                    )
+                )
             except Exception as exc:
                 row.error = f"layer {layer.index}: {type(exc).__name__}: {exc}"
 
@@ -177,20 +200,26 @@ class _Probe:
         latency = self._probe_seconds
         offset = 0
         for row in rows:
-            result: dict[str, Any] = {"num_prompt_tokens": row.num_prompt_tokens,
-                                      "probe_seconds": latency / max(len(rows), 1)}
+            result: dict[str, Any] = {
+                "num_prompt_tokens": row.num_prompt_tokens,
+                "probe_seconds": latency / max(len(rows), 1),
+            }
             if row.error is None:
                 chunk = values[offset : offset + len(heads)]
                 offset += len(heads)
                 result["heads"] = [[lay, h, s] for (lay, h), s in zip(heads, chunk, strict=True)]
             else:
                 result["error"] = row.error
-            self._decide_stop(row, result, dict(zip(heads, chunk, strict=True)) if row.error is None else None)
+            self._decide_stop(
+                row, result, dict(zip(heads, chunk, strict=True)) if row.error is None else None
+            )
             self.results[row.key] = result
         while len(self.results) > MAX_STORED_RESULTS:
             self.results.popitem(last=False)
 
-    def _decide_stop(self, row: _Row, result: dict[str, Any], scores: dict[Any, float] | None) -> None:
+    def _decide_stop(
+        self, row: _Row, result: dict[str, Any], scores: dict[Any, float] | None
+    ) -> None:
         """Early stop: a request whose focus is at or below its ``stop_below`` ends right after
         prefill (its first sampled token is forced to its stop token)."""
         if row.stop_below is None:
@@ -220,8 +249,16 @@ def _make_probe_forward(probe: _Probe, layer: _Layer, runner: Any) -> Any:
 
     original = layer.original_forward
 
-    def forward(attn_layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward(
+        attn_layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         out = original(attn_layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         if attn_metadata is None:  # warm-up and profiling runs
             return out
@@ -261,7 +298,9 @@ class GuardrailWorkerExtension:
         return {
             "num_layers": int(text_cfg.num_hidden_layers),
             "num_heads": int(text_cfg.num_attention_heads),
-            "num_kv_heads": int(getattr(text_cfg, "num_key_value_heads", text_cfg.num_attention_heads)),
+            "num_kv_heads": int(
+                getattr(text_cfg, "num_key_value_heads", text_cfg.num_attention_heads)
+            ),
             "hidden_size": int(text_cfg.hidden_size),
             "attention_layers": len(layers),
             "backend": type(impl).__name__,
@@ -294,8 +333,10 @@ class GuardrailWorkerExtension:
         self.guardrail_uninstall()
         info = self.guardrail_model_info()
         if info["kv_cache_dtype"] not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"quantized KV cache ({info['kv_cache_dtype']}) is not supported by "
-                             "the probe: keys read back would be quantized; use kv_cache_dtype='auto'")
+            raise ValueError(
+                f"quantized KV cache ({info['kv_cache_dtype']}) is not supported by "
+                "the probe: keys read back would be quantized; use kv_cache_dtype='auto'"
+            )
         layers = self._attention_layers()
         per_rank = info["num_heads"] // info["tp_size"]
         lo = info["tp_rank"] * per_rank
@@ -309,10 +350,14 @@ class GuardrailWorkerExtension:
         for layer_index, global_heads in sorted(by_layer.items()):
             module = layers[layer_index]
             probe.gather = key_gather_for(type(module.impl).__name__, getattr(module, "isa", None))
-            layer = _Layer(layer_index, torch.tensor([h - lo for h in global_heads],
-                                                     device=self.model_runner.device),  # type: ignore[attr-defined]
-                           global_heads, module.impl, module.impl.forward,
-                           "forward" in vars(module.impl))
+            layer = _Layer(
+                layer_index,
+                torch.tensor([h - lo for h in global_heads], device=self.model_runner.device),  # type: ignore[attr-defined]
+                global_heads,
+                module.impl,
+                module.impl.forward,
+                "forward" in vars(module.impl),
+            )
             module.impl.forward = _make_probe_forward(probe, layer, self.model_runner)  # type: ignore[attr-defined]
             probe.layers[layer_index] = layer
         probe.last_layer = max(probe.layers, default=-1)

@@ -88,7 +88,8 @@ class ModelProbeConfig(BaseModel):
         bad = [(lay, h) for lay, h in self.heads if lay >= num_layers or h >= num_heads]
         if bad:
             raise HeadsDoNotFitModelError(
-                f"model config for {self.model_id!r} names heads {bad[:5]} but the loaded model has "
+                f"model config for {self.model_id!r} names heads {bad[:5]} but the loaded model "
+                "has "
                 f"{num_layers} layers x {num_heads} heads (expected layer < {num_layers}, head < "
                 f"{num_heads}). The config was made for another model: pass the right config, or "
                 "run `guardrail calibrate` on this model to make one."

@@ -62,8 +62,13 @@ class GuardedOutput:
 
 def _merge_rank_results(per_rank: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """Tensor-parallel ranks each score their own heads; union them (errors win)."""
-    merged: dict[str, Any] = {"heads": {}, "error": None, "num_prompt_tokens": 0, "seconds": 0.0,
-                              "stopped": False}
+    merged: dict[str, Any] = {
+        "heads": {},
+        "error": None,
+        "num_prompt_tokens": 0,
+        "seconds": 0.0,
+        "stopped": False,
+    }
     for rank in per_rank:
         result = rank.get(key)
         if result is None:
@@ -106,8 +111,10 @@ class HookedLLM:
         **engine_kwargs: Any,
     ) -> None:
         if "worker_extension_cls" in engine_kwargs:
-            raise ConfigError("worker_extension_cls is set by HookedLLM (the probe lives there); "
-                              "remove it from the engine arguments")
+            raise ConfigError(
+                "worker_extension_cls is set by HookedLLM (the probe lives there); "
+                "remove it from the engine arguments"
+            )
         if model is None:
             from guardrail.embedded import embedded_model_path
 
@@ -118,15 +125,21 @@ class HookedLLM:
         from vllm import LLM
 
         processors = [*(engine_kwargs.pop("logits_processors", None) or []), STOP_PROCESSOR]
-        self.llm = LLM(model=self.model, worker_extension_cls=WORKER_EXTENSION,
-                       logits_processors=processors, **engine_kwargs)
+        self.llm = LLM(
+            model=self.model,
+            worker_extension_cls=WORKER_EXTENSION,
+            logits_processors=processors,
+            **engine_kwargs,
+        )
         try:
             self._install(probe_heads)
         except BaseException:
             self.close()
             raise
 
-    def _resolve_config(self, probe_config: ModelProbeConfig | str | Path | None) -> ModelProbeConfig:
+    def _resolve_config(
+        self, probe_config: ModelProbeConfig | str | Path | None
+    ) -> ModelProbeConfig:
         if isinstance(probe_config, ModelProbeConfig):
             return probe_config
         if probe_config is not None:
@@ -136,20 +149,27 @@ class HookedLLM:
     def _install(self, probe_heads: Sequence[HeadKey] | str | None) -> None:
         info = self.llm.collective_rpc("guardrail_model_info")[0]
         self.model_info: dict[str, Any] = info
-        if "FULL" in info["cudagraph_mode"] and "DECODE_ONLY" not in info["cudagraph_mode"] \
-                and "PIECEWISE" not in info["cudagraph_mode"]:
+        if (
+            "FULL" in info["cudagraph_mode"]
+            and "DECODE_ONLY" not in info["cudagraph_mode"]
+            and "PIECEWISE" not in info["cudagraph_mode"]
+        ):
             raise EngineNotGuardableError(
-                f"cudagraph_mode {info['cudagraph_mode']} replays prefill as a full CUDA graph, where "
+                f"cudagraph_mode {info['cudagraph_mode']} replays prefill as a full CUDA graph, "
+                "where "
                 "the probe cannot run; use the default FULL_AND_PIECEWISE, PIECEWISE, or "
                 "enforce_eager=True"
             )
         self.config.check_fits(info["num_layers"], info["num_heads"])
         if probe_heads == "all":
-            heads = [(lay, h) for lay in range(info["num_layers"]) for h in range(info["num_heads"])]
+            heads = [
+                (lay, h) for lay in range(info["num_layers"]) for h in range(info["num_heads"])
+            ]
         elif probe_heads is not None:
             heads = [tuple(h) for h in probe_heads]  # type: ignore[misc]
             ModelProbeConfig(model_id="override", heads=heads).check_fits(
-                info["num_layers"], info["num_heads"])
+                info["num_layers"], info["num_heads"]
+            )
         else:
             heads = list(self.config.heads)
         self.probe_heads: list[HeadKey] = heads
@@ -168,7 +188,8 @@ class HookedLLM:
         if out.probe is None or out.probe.error is not None or out.probe.focus is None:
             reason = out.probe.error if out.probe else out.error
             raise EngineNotGuardableError(
-                f"the probe did not fire in this engine configuration ({reason}); this happens when "
+                f"the probe did not fire in this engine configuration ({reason}); this happens "
+                "when "
                 "the attention implementation runs inside a captured graph. Start the engine with "
                 "enforce_eager=True."
             )
@@ -195,6 +216,7 @@ class HookedLLM:
         *,
         stop_below: float | Sequence[float | None] | None = None,
         stop_on_probe_error: bool | Sequence[bool] = True,
+        probe_keys: Sequence[str | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[GuardedOutput]:
         """Generate for each request with the probe on; one ``GuardedOutput`` per request, in order.
@@ -204,7 +226,8 @@ class HookedLLM:
         ``stop_on_probe_error``, when the probe failed): it decodes a single stop token and
         no more. An invalid request gets an output with ``error`` set and is not sent to the
         engine; the others are answered. A request whose score did not come back has
-        ``probe.error`` set.
+        ``probe.error`` set. ``probe_keys`` (one per request, None for a fresh uuid) chooses the
+        key a request's score travels under, e.g. to aim ``set_probe_faults`` at one request.
         """
         from vllm.inputs import TokensPrompt
 
@@ -213,6 +236,7 @@ class HookedLLM:
         params = self._per_request_params(sampling_params, len(requests))
         stops = self._per_request(stop_below, len(requests), "stop_below")
         on_error = self._per_request(stop_on_probe_error, len(requests), "stop_on_probe_error")
+        chosen_keys = self._probe_keys(probe_keys, len(requests))
         outputs: list[GuardedOutput | None] = [None] * len(requests)
         batch, batch_params, keys, indices = [], [], [], []
         for i, request in enumerate(requests):
@@ -221,7 +245,7 @@ class HookedLLM:
             except GuardrailError as exc:
                 outputs[i] = GuardedOutput(index=i, prompt=None, error=exc)
                 continue
-            key = uuid.uuid4().hex
+            key = chosen_keys[i] or uuid.uuid4().hex
             batch.append((prepared, TokensPrompt(prompt_token_ids=prepared.token_ids)))
             spec = prepared.probe_spec(key)
             if stops[i] is not None:
@@ -230,11 +254,23 @@ class HookedLLM:
             keys.append(key)
             indices.append(i)
         if batch:
-            results = self.llm.generate([p for _, p in batch], batch_params, use_tqdm=use_tqdm)
-            per_rank = self.llm.collective_rpc("guardrail_pop_results", args=(keys,))
+            try:
+                results = self.llm.generate([p for _, p in batch], batch_params, use_tqdm=use_tqdm)
+            finally:  # pop even on failure: a reused key must never find a stale score
+                per_rank = self.llm.collective_rpc("guardrail_pop_results", args=(keys,))
             for (prepared, _), key, i, result in zip(batch, keys, indices, results, strict=True):
                 outputs[i] = self._output(i, prepared, result, _merge_rank_results(per_rank, key))
         return [o for o in outputs if o is not None]
+
+    def _probe_keys(self, probe_keys: Sequence[str | None] | None, n: int) -> list[str | None]:
+        keys = self._per_request(probe_keys, n, "probe_keys")
+        given = [k for k in keys if k is not None]
+        if any(not isinstance(k, str) or not k for k in given) or len(set(given)) != len(given):
+            raise ConfigError(
+                "probe_keys must be distinct non-empty strings (or None for a fresh "
+                "key), one per request"
+            )
+        return keys
 
     def score(self, requests: Sequence[RequestLike]) -> list[GuardedOutput]:
         """Run the probe alone: prefill plus one sampled token, no text worth reading."""
@@ -245,8 +281,10 @@ class HookedLLM:
             return [self._sampling(max_tokens=64)] * n
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != n:
-                raise ConfigError(f"got {len(sampling_params)} sampling params for {n} requests; "
-                                  "pass one, or one per request")
+                raise ConfigError(
+                    f"got {len(sampling_params)} sampling params for {n} requests; "
+                    "pass one, or one per request"
+                )
             return list(sampling_params)
         return [sampling_params] * n
 
@@ -260,15 +298,20 @@ class HookedLLM:
 
     def _stop_spec(self, params: Any, stop_below: float, on_error: bool) -> dict[str, Any]:
         if self.model_info["tp_size"] != 1:
-            raise ConfigError("early stop (stop_below) needs the whole probe on one rank; it is "
-                              "not supported with tensor_parallel_size > 1 yet")
+            raise ConfigError(
+                "early stop (stop_below) needs the whole probe on one rank; it is "
+                "not supported with tensor_parallel_size > 1 yet"
+            )
         if getattr(params, "min_tokens", 0):
             raise ConfigError("stop_below cannot end a request that sets min_tokens > 0")
         stop_token = self.tokenizer.eos_token_id
         if stop_token is None:
             raise ConfigError("the tokenizer has no eos token to end stopped requests with")
-        return {"stop_below": float(stop_below), "stop_on_error": on_error,
-                "stop_token": int(stop_token)}
+        return {
+            "stop_below": float(stop_below),
+            "stop_on_error": on_error,
+            "stop_token": int(stop_token),
+        }
 
     @staticmethod
     def _with_probe(params: Any, spec: dict[str, Any]) -> Any:
@@ -278,8 +321,9 @@ class HookedLLM:
             params.stop_token_ids = [*(params.stop_token_ids or []), spec["stop_token"]]
         return params
 
-    def _output(self, index: int, prepared: PreparedPrompt, result: Any,
-                merged: dict[str, Any]) -> GuardedOutput:
+    def _output(
+        self, index: int, prepared: PreparedPrompt, result: Any, merged: dict[str, Any]
+    ) -> GuardedOutput:
         completion = result.outputs[0]
         heads: dict[HeadKey, float] = merged["heads"]
         error = merged["error"]
@@ -288,13 +332,23 @@ class HookedLLM:
         elif error is None and any(h not in heads for h in self.config.heads):
             error = "incomplete: some configured heads were not scored"
         focus = None if error else self.config.focus(heads)
-        probe = ProbeResult(focus=focus, head_scores=heads, error=error,
-                            num_prompt_tokens=merged["num_prompt_tokens"],
-                            probe_seconds=merged["seconds"], stopped=merged["stopped"])
-        return GuardedOutput(index=index, prompt=prepared, text=completion.text,
-                             token_ids=list(completion.token_ids),
-                             finish_reason=completion.finish_reason,
-                             num_cached_tokens=int(result.num_cached_tokens or 0), probe=probe)
+        probe = ProbeResult(
+            focus=focus,
+            head_scores=heads,
+            error=error,
+            num_prompt_tokens=merged["num_prompt_tokens"],
+            probe_seconds=merged["seconds"],
+            stopped=merged["stopped"],
+        )
+        return GuardedOutput(
+            index=index,
+            prompt=prepared,
+            text=completion.text,
+            token_ids=list(completion.token_ids),
+            finish_reason=completion.finish_reason,
+            num_cached_tokens=int(result.num_cached_tokens or 0),
+            probe=probe,
+        )
 
     def set_probe_faults(self, keys: Sequence[str]) -> None:
         """Testing hook: make the probe fail for requests whose probe key is in ``keys``."""
@@ -304,8 +358,8 @@ class HookedLLM:
         """Shut the engine down and free its memory."""
         llm = getattr(self, "llm", None)
         if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(engine, "shutdown", None)
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            shutdown = getattr(core, "shutdown", None)
             if callable(shutdown):
                 shutdown()
             self.llm = None  # type: ignore[assignment]

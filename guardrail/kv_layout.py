@@ -32,13 +32,17 @@ def cpu_vec_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: in
     """
     num_blocks, kv_heads, block_size, two_dims = kv_cache.shape
     dim = two_dims // 2
-    tiles = kv_cache.view(num_blocks, kv_heads, 2 * block_size * dim)[block_ids, :, : block_size * dim]
+    tiles = kv_cache.view(num_blocks, kv_heads, 2 * block_size * dim)[
+        block_ids, :, : block_size * dim
+    ]
     tiles = tiles.view(len(block_ids), kv_heads, dim, block_size)
     keys = tiles.permute(0, 3, 1, 2).reshape(len(block_ids) * block_size, kv_heads, dim)
     return keys[:num_tokens]
 
 
-def flash_attn_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def flash_attn_keys(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
     """Keys from the FlashAttention (GPU) cache, as [num_tokens, kv_heads, dim].
 
     FlashAttention reads the logical [blocks, kv_heads, block_size, 2 * dim] cache as
@@ -66,6 +70,7 @@ def key_gather_for(backend_name: str, isa: str | None) -> KeyGather:
     raise ValueError(
         f"unsupported KV cache layout: backend {backend_name!r} (isa {isa!r}); the guardrail probe "
         "reads prefix-cached keys from the paged cache and knows CPUAttentionBackendImpl (isa vec: "
-        "x86 without AMX, head size a multiple of 32) and FlashAttentionImpl. Use one of those backends (e.g. dtype float32 on CPU, or "
+        "x86 without AMX, head size a multiple of 32) and FlashAttentionImpl. Use one of those "
+        "backends (e.g. dtype float32 on CPU, or "
         "--attention-backend FLASH_ATTN on GPU), or add the layout to guardrail/kv_layout.py."
     )

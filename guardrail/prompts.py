@@ -105,7 +105,10 @@ def to_messages(request: RequestLike) -> list[Message]:
         if isinstance(request, GuardedPrompt):
             return request.messages()
         if isinstance(request, tuple) and len(request) == 2:
-            return GuardedPrompt(instruction=request[0], data=request[1]).messages()
+            instruction, data = request
+            if not isinstance(instruction, str) or not isinstance(data, str):
+                raise RequestError("an (instruction, data) request needs two strings")
+            return GuardedPrompt(instruction=instruction, data=data).messages()
         if isinstance(request, Sequence) and request and not isinstance(request, bytes):
             return [m if isinstance(m, Message) else Message.model_validate(m) for m in request]
     except ValidationError as exc:
@@ -148,7 +151,9 @@ def _runs(flags: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
-def prepare_prompt(request: RequestLike, tokenizer: Any, max_tokens: int | None = None) -> PreparedPrompt:
+def prepare_prompt(
+    request: RequestLike, tokenizer: Any, max_tokens: int | None = None
+) -> PreparedPrompt:
     """Render ``request`` with the model's chat template and compute its token spans.
 
     A token belongs to the segment that holds its last character (byte-level BPE glues a
@@ -161,8 +166,10 @@ def prepare_prompt(request: RequestLike, tokenizer: Any, max_tokens: int | None 
     """
     messages = to_messages(request)
     if not any(s.text.strip() for m in messages for s in m.segments() if s.kind == "instruction"):
-        raise RequestError("the request has no trusted instruction text: add a system or user "
-                           "message, or an instruction")
+        raise RequestError(
+            "the request has no trusted instruction text: add a system or user "
+            "message, or an instruction"
+        )
     text, ranges = _render(messages, tokenizer)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     token_ids = list(encoded["input_ids"])

@@ -82,7 +82,9 @@ def logistic_focus(
     return 1.0 - p_injection
 
 
-def spans_to_mask(spans: Sequence[tuple[int, int]], num_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def spans_to_mask(
+    spans: Sequence[tuple[int, int]], num_tokens: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Boolean mask [num_tokens] that is True inside the half-open token ranges ``spans``.
 
     Example:

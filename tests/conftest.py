@@ -27,7 +27,9 @@ TINY_ENGINE_ARGS = {
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("GUARDRAIL_TEST_CACHE") or os.path.expanduser("~/.cache/vllm-guardrail/tests")
+    root = os.environ.get("GUARDRAIL_TEST_CACHE") or os.path.expanduser(
+        "~/.cache/vllm-guardrail/tests"
+    )
     return Path(root)
 
 
@@ -54,10 +56,15 @@ def tiny_config(model_id: str = "tiny", threshold: float | None = 0.5):  # type:
 
 
 def start_engine(model_dir: Path, multiprocess: bool = False, **overrides):  # type: ignore[no-untyped-def]
+    import vllm.envs
+
     from guardrail.engine import HookedLLM
 
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    # vLLM caches its environment after the first engine starts; tests switch modes per engine.
+    if vllm.envs._is_envs_cache_enabled():
+        vllm.envs.__getattr__.cache_clear()
     try:
         args = {**TINY_ENGINE_ARGS, **overrides}
         config = args.pop("probe_config", tiny_config())
@@ -79,7 +86,7 @@ def tiny_engine(tiny_llama_dir: Path) -> Iterator[object]:
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_engine(tiny_qwen2_dir: Path) -> Iterator[object]:
-    engine = start_engine(tiny_qwen2_dir)
+    engine = start_engine(tiny_qwen2_dir, multiprocess=True)
     yield engine
     engine.close()
 

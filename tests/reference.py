@@ -23,6 +23,15 @@ def _load(model_dir: str) -> Any:
     return model.eval()
 
 
+@lru_cache(maxsize=64)
+def _last_token_attention(model_dir: str, token_ids: tuple[int, ...]) -> list[torch.Tensor]:
+    """Per layer, the attention rows [heads, tokens] of the last token (eager, float32)."""
+    model = _load(model_dir)
+    with torch.no_grad():
+        out = model(torch.tensor([list(token_ids)]), output_attentions=True)
+    return [layer[0, :, -1].double() for layer in out.attentions]
+
+
 def hf_head_scores(
     model_dir: str,
     token_ids: Sequence[int],
@@ -31,9 +40,7 @@ def hf_head_scores(
     heads: Sequence[tuple[int, int]],
 ) -> dict[tuple[int, int], float]:
     """Focus per (layer, head) from HF eager attention of the last prompt token."""
-    model = _load(model_dir)
-    with torch.no_grad():
-        out = model(torch.tensor([list(token_ids)]), output_attentions=True)
+    rows = _last_token_attention(model_dir, tuple(token_ids))
     instr = torch.zeros(len(token_ids), dtype=torch.bool)
     data = torch.zeros(len(token_ids), dtype=torch.bool)
     for a, b in instruction_spans:
@@ -42,7 +49,7 @@ def hf_head_scores(
         data[a:b] = True
     scores = {}
     for layer, head in heads:
-        row = out.attentions[layer][0, head, -1].double()
+        row = rows[layer][head]
         on_i, on_d = row[instr].sum().item(), row[data].sum().item()
         scores[(layer, head)] = on_i / (on_i + on_d + 1e-8)
     return scores

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,9 @@ def test_the_six_published_models_are_shipped():
     models = json.loads(data.read_text())["models"]
     for model_id, entry in models.items():
         assert model_id in shipped
-        assert [list(h) for h in packaged_model_configs()[model_id].heads] == entry["important_heads"]
+        assert [list(h) for h in packaged_model_configs()[model_id].heads] == entry[
+            "important_heads"
+        ]
 
 
 def test_lookup_by_id_and_by_local_directory_name():

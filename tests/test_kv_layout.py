@@ -46,7 +46,7 @@ def test_flash_attn_layout_round_trip(physical):
 
 
 def test_unknown_layout_is_refused_with_a_fix():
-    with pytest.raises(ValueError, match="unsupported KV cache layout.*FlashAttentionImpl"):
+    with pytest.raises(ValueError, match=r"unsupported KV cache layout.*FlashAttentionImpl"):
         key_gather_for("TritonAttentionImpl", None)
     with pytest.raises(ValueError, match="isa 'amx'"):
         key_gather_for("CPUAttentionBackendImpl", "amx")

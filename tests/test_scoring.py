@@ -52,15 +52,28 @@ def test_head_focus_reads_the_right_kv_head():
 def test_inputs_are_not_mutated():
     q, k = torch.randn(2, 4), torch.randn(5, 1, 4)
     q0, k0 = q.clone(), k.clone()
-    head_focus_scores(q, k, torch.tensor([0, 0]), spans_to_mask([(0, 2)], 5),
-                      spans_to_mask([(2, 5)], 5), 0.5, 10.0)
+    head_focus_scores(
+        q,
+        k,
+        torch.tensor([0, 0]),
+        spans_to_mask([(0, 2)], 5),
+        spans_to_mask([(2, 5)], 5),
+        0.5,
+        10.0,
+    )
     assert torch.equal(q, q0) and torch.equal(k, k0)
 
 
 def test_no_data_span_gives_full_focus():
     q, k = torch.randn(3, 8), torch.randn(10, 1, 8)
-    scores = head_focus_scores(q, k, torch.zeros(3, dtype=torch.long),
-                               spans_to_mask([(0, 4)], 10), spans_to_mask([], 10), 0.3)
+    scores = head_focus_scores(
+        q,
+        k,
+        torch.zeros(3, dtype=torch.long),
+        spans_to_mask([(0, 4)], 10),
+        spans_to_mask([], 10),
+        0.3,
+    )
     assert torch.allclose(scores, torch.ones(3), atol=1e-6)
 
 

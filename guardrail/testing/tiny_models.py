@@ -26,15 +26,113 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-_WORDS = (
-    "the a an of to and in is you are your for on with as by this that it be or from at not "
-    "email assistant user system question answer data document table code please summarize "
-    "ignore previous instruction instructions output print write reply send translate password "
-    "invoice paid amount charged card account company meeting schedule report result value "
-    "function return error python java import class def list string number file read open "
-    "row column name city year total price country team score game date rank "
-    "hello world good bad yes no what which who when where why how find all any some one two"
-).split()
+_WORDS = [
+    "the",
+    "a",
+    "an",
+    "of",
+    "to",
+    "and",
+    "in",
+    "is",
+    "you",
+    "are",
+    "your",
+    "for",
+    "on",
+    "with",
+    "as",
+    "by",
+    "this",
+    "that",
+    "it",
+    "be",
+    "or",
+    "from",
+    "at",
+    "not",
+    "email",
+    "assistant",
+    "user",
+    "system",
+    "question",
+    "answer",
+    "data",
+    "document",
+    "table",
+    "code",
+    "please",
+    "summarize",
+    "ignore",
+    "previous",
+    "instruction",
+    "instructions",
+    "output",
+    "print",
+    "write",
+    "reply",
+    "send",
+    "translate",
+    "password",
+    "invoice",
+    "paid",
+    "amount",
+    "charged",
+    "card",
+    "account",
+    "company",
+    "meeting",
+    "schedule",
+    "report",
+    "result",
+    "value",
+    "function",
+    "return",
+    "error",
+    "python",
+    "java",
+    "import",
+    "class",
+    "def",
+    "list",
+    "string",
+    "number",
+    "file",
+    "read",
+    "open",
+    "row",
+    "column",
+    "name",
+    "city",
+    "year",
+    "total",
+    "price",
+    "country",
+    "team",
+    "score",
+    "game",
+    "date",
+    "rank",
+    "hello",
+    "world",
+    "good",
+    "bad",
+    "yes",
+    "no",
+    "what",
+    "which",
+    "who",
+    "when",
+    "where",
+    "why",
+    "how",
+    "find",
+    "all",
+    "any",
+    "some",
+    "one",
+    "two",
+]
 
 Arch = Literal["llama", "qwen2"]
 
@@ -120,7 +218,7 @@ def build_tiny_model(
         _train_tokenizer(tmp, vocab_size)
         eos_id = json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"]["<|im_end|>"]
         cfg_dict = _model_config(arch, vocab_size, eos_id)
-        config = AutoConfig.for_model(**cfg_dict)
+        config = AutoConfig.for_model(str(cfg_dict.pop("model_type")), **cfg_dict)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
         # Larger-than-default init so attention is far from uniform and scores differ by head.

@@ -1,0 +1,250 @@
+"""Throughput of the guarded engine against plain vLLM with the same engine arguments.
+
+Engines, all in one run, each in its own engine process (vLLM's default multi-process mode):
+- ``plain-eager``: ``vllm.LLM(enforce_eager=True)``, the baseline for the guarded eager engine;
+- ``guarded-eager``: ``HookedLLM`` with the same arguments;
+- ``plain-compiled``: ``vllm.LLM`` in vLLM's default compiled mode (the price of eager mode);
+- ``guarded-compiled``: ``HookedLLM`` in compiled mode (the probe sits at the attention
+  implementation, which vLLM runs as Python between compiled pieces, so it still fires).
+
+For each prompt length and batch size the engines run alternately, ``--repeats`` times, on the
+same token ids (fresh prompts every repeat, so every run does a real prefill, no prefix hits).
+Reported: median wall time per engine, throughput ratio guarded/plain, and the probe's own time
+per request as measured inside the worker.
+
+Usage:
+    python benchmarks/bench_probe_overhead.py                   # embedded SmolLM2
+    python benchmarks/bench_probe_overhead.py --model DIR --lengths 64 512 --batches 1 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = (
+    "invoice amount paid account supplier date total order shipment customer report "
+    "meeting schedule project budget review quarter sales region product team"
+).split()
+
+
+def make_requests(length: int, batch: int, salt: int, tokenizer: Any) -> list[tuple[str, str]]:
+    """``batch`` (instruction, data) pairs whose rendered prompt has about ``length`` tokens."""
+    from guardrail.prompts import prepare_prompt
+
+    requests = []
+    for b in range(batch):
+        instruction = f"[{salt}-{b}] You are an assistant. Answer the question about the document."
+        words = [WORDS[(salt * 31 + b * 7 + i) % len(WORDS)] for i in range(length)]
+        lo, hi = 1, length
+        while lo < hi:  # shortest data that reaches the target length
+            mid = (lo + hi) // 2
+            n = len(prepare_prompt((instruction, " ".join(words[:mid])), tokenizer).token_ids)
+            lo, hi = (mid + 1, hi) if n < length else (lo, mid)
+        requests.append((instruction, " ".join(words[:lo])))
+    return requests
+
+
+def start_engines(
+    model: str, names: list[str], engine_args: dict[str, Any], probe_config: str | None
+) -> dict[str, Any]:
+    from vllm import LLM
+
+    from guardrail.engine import HookedLLM
+
+    engines: dict[str, Any] = {}
+    for name in tqdm(names, desc="starting engines"):
+        args = {**engine_args, "enforce_eager": name.endswith("eager")}
+        engines[name] = (
+            HookedLLM(model, probe_config, **args)
+            if name.startswith("guarded")
+            else LLM(model, **args)
+        )
+    return engines
+
+
+def run_once(engine: Any, prepared: list[Any], max_tokens: int) -> tuple[float, list[float]]:
+    """Wall time of one batch, and the probe's own seconds per request (guarded engines)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if hasattr(engine, "generate") and hasattr(engine, "prepare"):
+        start = time.perf_counter()
+        outs = engine.generate([p.request for p in prepared], params)
+        wall = time.perf_counter() - start
+        return wall, [o.probe.probe_seconds for o in outs]
+    prompts = [TokensPrompt(prompt_token_ids=p.prompt.token_ids) for p in prepared]
+    start = time.perf_counter()
+    engine.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, []
+
+
+class Prepared:
+    def __init__(self, request: tuple[str, str], prompt: Any) -> None:
+        self.request, self.prompt = request, prompt
+
+
+def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    from guardrail.prompts import prepare_prompt
+
+    model = args.model
+    if model is None:
+        from guardrail.embedded import embedded_model_path
+
+        model = str(embedded_model_path())
+    engine_args = {
+        "dtype": "float32",
+        "max_model_len": max(args.lengths) + args.max_tokens + 64,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "seed": 0,
+    }
+    engines = start_engines(model, args.engines, engine_args, args.probe_config)
+    first = next(iter(engines.values()))
+    tokenizer = getattr(first, "llm", first).get_tokenizer()
+    rows = []
+    cases = [(length, batch) for length in args.lengths for batch in args.batches]
+    progress = tqdm(total=len(cases) * (args.repeats + 1) * len(engines), desc="benchmark")
+    for length, batch in cases:
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        probe: list[float] = []
+        for repeat in range(args.repeats + 1):  # repeat 0 warms the shapes up, not timed
+            reqs = make_requests(
+                length, batch, salt=length * 1000 + batch * 10 + repeat, tokenizer=tokenizer
+            )
+            prepared = [Prepared(r, prepare_prompt(r, tokenizer)) for r in reqs]
+            order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+            for name in order:
+                wall, probe_s = run_once(engines[name], prepared, args.max_tokens)
+                if repeat:
+                    times[name].append(wall)
+                    probe.extend(probe_s if name == "guarded-eager" else [])
+                progress.update()
+        rows.append(summarise(length, batch, times, probe, prepared, args.max_tokens))
+    progress.close()
+    for engine in engines.values():
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
+    return {
+        "model": model,
+        "engine_args": engine_args,
+        "repeats": args.repeats,
+        "max_tokens": args.max_tokens,
+        "machine": machine_info(),
+        "rows": rows,
+    }
+
+
+def summarise(
+    length: int,
+    batch: int,
+    times: dict[str, list[float]],
+    probe: list[float],
+    prepared: list[Any],
+    max_tokens: int,
+) -> dict[str, Any]:
+    tokens = sum(len(p.prompt.token_ids) for p in prepared) + batch * max_tokens
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    row: dict[str, Any] = {
+        "prompt_tokens": length,
+        "batch": batch,
+        "tokens_per_run": tokens,
+        "median_seconds": med,
+        "all_seconds": times,
+        "throughput_tok_s": {n: tokens / t for n, t in med.items()},
+    }
+    pairs = [
+        ("guarded-eager", "plain-eager"),
+        ("guarded-compiled", "plain-compiled"),
+        ("plain-eager", "plain-compiled"),
+        ("guarded-compiled", "plain-eager"),
+    ]
+    row["ratios"] = {f"{a}/{b}": med[b] / med[a] for a, b in pairs if a in med and b in med}
+    row["probe_ms_per_request"] = 1000 * statistics.median(probe) if probe else None
+    return row
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+    import vllm
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "# Probe overhead: guarded engine vs plain vLLM",
+        "",
+        f"Model `{Path(result['model']).name}`, engine args `{result['engine_args']}`, "
+        f"{result['max_tokens']} generated tokens per request, median of {result['repeats']} "
+        f"alternating runs. Machine: {result['machine']}.",
+        "Throughput ratio = plain median time / guarded median time (1.0 = no cost).",
+        "",
+        "| prompt tokens | batch | plain eager s | guarded eager s | ratio eager | "
+        "plain compiled s | guarded compiled s | ratio compiled | eager/compiled | "
+        "probe ms/request |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        med, ratio = row["median_seconds"], row["ratios"]
+
+        def cell(d: dict[str, float], k: str, fmt: str = "{:.3f}") -> str:
+            return fmt.format(d[k]) if k in d else "-"
+
+        probe = row["probe_ms_per_request"]
+        lines.append(
+            f"| {row['prompt_tokens']} | {row['batch']} | {cell(med, 'plain-eager')} | "
+            f"{cell(med, 'guarded-eager')} | {cell(ratio, 'guarded-eager/plain-eager')} | "
+            f"{cell(med, 'plain-compiled')} | {cell(med, 'guarded-compiled')} | "
+            f"{cell(ratio, 'guarded-compiled/plain-compiled')} | "
+            f"{cell(ratio, 'plain-eager/plain-compiled')} | "
+            f"{'-' if probe is None else f'{probe:.2f}'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model dir (default: embedded SmolLM2)")
+    parser.add_argument("--probe-config", default=None, help="probe config JSON (default: shipped)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 512, 2048])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        default=["plain-eager", "guarded-eager", "plain-compiled", "guarded-compiled"],
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/probe_overhead.json")
+    parser.add_argument("--report", type=Path, default=ROOT / "docs/benchmark-probe-overhead.md")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    result = benchmark(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -79,8 +79,7 @@ class ModelProbeConfig(BaseModel):
     def focus(self, head_scores: Mapping[HeadKey, float]) -> float:
         """Combine per-head focus scores into the request's focus score (low = injection)."""
         if self.probe == "logistic":
-            assert self.weights is not None  # checked by the validator
-            return logistic_focus(head_scores, self.heads, self.weights, self.bias)
+            return logistic_focus(head_scores, self.heads, self.weights or [], self.bias)
         return mean_focus(head_scores, self.heads)
 
     def check_fits(self, num_layers: int, num_heads: int) -> None:

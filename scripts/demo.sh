@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python examples/quickstart.py "$@"
+exec .venv/bin/python examples/guarded_quickstart.py "$@"

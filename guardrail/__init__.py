@@ -29,6 +29,9 @@ from guardrail.verdict import Action, FailureMode, PolicyDecision, Verdict
 
 if TYPE_CHECKING:
     from guardrail.engine import GuardedOutput, HookedLLM, ProbeResult
+    from guardrail.guarded import GuardedLLM, GuardedResult
+    from guardrail.metrics import GuardrailMetrics
+    from guardrail.policy import PromptInjectionPolicy, load_policy
 
 __all__ = [
     "Action",
@@ -36,9 +39,12 @@ __all__ = [
     "ConfigError",
     "EngineNotGuardableError",
     "FailureMode",
+    "GuardedLLM",
     "GuardedOutput",
     "GuardedPrompt",
+    "GuardedResult",
     "GuardrailError",
+    "GuardrailMetrics",
     "HeadsDoNotFitModelError",
     "HookedLLM",
     "Message",
@@ -49,10 +55,12 @@ __all__ = [
     "PreparedPrompt",
     "ProbeResult",
     "PromptInjectionBlocked",
+    "PromptInjectionPolicy",
     "RequestError",
     "Segment",
     "Verdict",
     "load_model_config",
+    "load_policy",
     "prepare_prompt",
     "read_model_config",
 ]
@@ -61,6 +69,11 @@ _LAZY = {
     "HookedLLM": "guardrail.engine",
     "GuardedOutput": "guardrail.engine",
     "ProbeResult": "guardrail.engine",
+    "GuardedLLM": "guardrail.guarded",
+    "GuardedResult": "guardrail.guarded",
+    "PromptInjectionPolicy": "guardrail.policy",
+    "load_policy": "guardrail.policy",
+    "GuardrailMetrics": "guardrail.metrics",
 }
 
 

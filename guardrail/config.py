@@ -103,6 +103,8 @@ def _packaged_configs() -> list[Path]:
 def read_model_config(path: str | Path) -> ModelProbeConfig:
     """Load and validate one config file; errors name the file and the field."""
     path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"model config file not found: {path}")
     try:
         return ModelProbeConfig.model_validate(json.loads(path.read_text()))
     except (ValidationError, json.JSONDecodeError) as exc:

@@ -48,6 +48,7 @@ class EngineNotGuardableError(GuardrailError):
 class PromptInjectionBlocked(GuardrailError):
     """A policy blocked the request. ``verdict`` holds the full decision record."""
 
-    def __init__(self, message: str, verdict: Any = None) -> None:
+    def __init__(self, message: str, verdict: Any = None, results: Any = None) -> None:
         super().__init__(message)
         self.verdict = verdict
+        self.results = results  # every result of the batch, when raised by GuardedLLM

@@ -6,16 +6,19 @@ scores and thresholds, for which request and token spans, and how long the probe
 Example:
     >>> Action.BLOCK.precedence > Action.FLAG.precedence > Action.ALLOW.precedence
     True
+    >>> v = Verdict(request_id="r1", action=Action.ALLOW, focus=0.8, reason="allowed")
+    >>> Verdict.model_validate_json(v.model_dump_json()) == v
+    True
 """
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class Action(str, Enum):
+class Action(StrEnum):
     """What happens to a request. Precedence when several policies disagree: block > retry >
     flag > allow."""
 
@@ -32,7 +35,7 @@ class Action(str, Enum):
 _PRECEDENCE = {Action.ALLOW: 0, Action.FLAG: 1, Action.RETRY_WITH_STEERING: 2, Action.BLOCK: 3}
 
 
-class FailureMode(str, Enum):
+class FailureMode(StrEnum):
     """What a policy does when the probe could not score a request."""
 
     FAIL_CLOSED = "fail_closed"  # block
@@ -40,16 +43,21 @@ class FailureMode(str, Enum):
 
 
 class PolicyDecision(BaseModel):
-    """One policy's decision on one request."""
+    """One policy's decision on one request.
+
+    ``triggered`` is True when the score was at or below the threshold; ``failure`` is set
+    instead when the probe could not score and the policy's failure mode decided.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     policy: str
     action: Action
+    triggered: bool = False
     score: float | None = None
     threshold: float | None = None
     shadow: bool = False
-    failure: FailureMode | None = None  # set when the probe failed and the failure mode decided
+    failure: FailureMode | None = None
     reason: str
 
 
@@ -65,21 +73,31 @@ class Attempt(BaseModel):
 
 
 class Verdict(BaseModel):
-    """The full, auditable decision for one request."""
+    """The full, auditable decision for one request.
+
+    ``action`` is what was enforced (shadow policies never count); ``shadow_action`` is what
+    the shadow policies alone would have done. ``failure`` is set when the probe could not
+    score and a failure mode decided. ``stopped_early`` is True when the engine ended the
+    request right after its prefill (it decoded a single stop token).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_id: str
     action: Action
-    decisions: list[PolicyDecision]
+    decisions: tuple[PolicyDecision, ...] = ()
     focus: float | None
+    thresholds: dict[str, float] = Field(default_factory=dict)  # policy name -> threshold
     head_scores: dict[str, float] = Field(default_factory=dict)  # "layer:head" -> focus
     probe_error: str | None = None
-    instruction_spans: list[tuple[int, int]] = Field(default_factory=list)
-    data_spans: list[tuple[int, int]] = Field(default_factory=list)
+    failure: FailureMode | None = None
+    shadow_action: Action | None = None
+    stopped_early: bool = False
+    instruction_spans: tuple[tuple[int, int], ...] = ()
+    data_spans: tuple[tuple[int, int], ...] = ()
     num_prompt_tokens: int = 0
     probe_latency_s: float = 0.0
-    attempts: list[Attempt] = Field(default_factory=list)
+    attempts: tuple[Attempt, ...] = ()
     reason: str
 
     @property

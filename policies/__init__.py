@@ -1,0 +1,31 @@
+"""Ready-made policies, installed as ``guardrail.policies``.
+
+Example:
+    >>> from guardrail.policies import STRICT_BLOCK
+    >>> STRICT_BLOCK.effective_threshold(0.5)
+    0.6
+"""
+
+from guardrail.policies.prompt_injection import (
+    BLOCK_INJECTIONS,
+    DEFAULT,
+    FLAG_INJECTIONS,
+    MONITOR_ONLY,
+    SHADOW_BLOCK,
+    STRICT_BLOCK,
+    SUSPICIOUS,
+    TIERED,
+    TRIAL,
+)
+
+__all__ = [
+    "BLOCK_INJECTIONS",
+    "DEFAULT",
+    "FLAG_INJECTIONS",
+    "MONITOR_ONLY",
+    "SHADOW_BLOCK",
+    "STRICT_BLOCK",
+    "SUSPICIOUS",
+    "TIERED",
+    "TRIAL",
+]

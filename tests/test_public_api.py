@@ -1,0 +1,49 @@
+"""The public names are pinned: adding or removing one is a deliberate change."""
+
+from __future__ import annotations
+
+import guardrail
+
+EXPECTED = {
+    "Action",
+    "Calibration",
+    "ConfigError",
+    "EngineNotGuardableError",
+    "FailureMode",
+    "GuardedLLM",
+    "GuardedOutput",
+    "GuardedPrompt",
+    "GuardedResult",
+    "GuardrailError",
+    "GuardrailMetrics",
+    "HeadsDoNotFitModelError",
+    "HookedLLM",
+    "Message",
+    "ModelConfigNotFoundError",
+    "ModelProbeConfig",
+    "ModelUnavailableError",
+    "PolicyDecision",
+    "PreparedPrompt",
+    "ProbeResult",
+    "PromptInjectionBlocked",
+    "PromptInjectionPolicy",
+    "RequestError",
+    "Segment",
+    "Verdict",
+    "load_model_config",
+    "load_policy",
+    "prepare_prompt",
+    "read_model_config",
+}
+
+
+def test_all_is_pinned_and_every_name_resolves():
+    assert set(guardrail.__all__) == EXPECTED
+    for name in guardrail.__all__:
+        assert getattr(guardrail, name) is not None
+
+
+def test_config_errors_are_value_errors():
+    assert issubclass(guardrail.ConfigError, ValueError)
+    assert issubclass(guardrail.RequestError, ValueError)
+    assert issubclass(guardrail.PromptInjectionBlocked, guardrail.GuardrailError)

@@ -1,0 +1,286 @@
+"""``GuardedChatModel``: a LangChain chat model whose every call is probed inside the serving model.
+
+The probe's verdict travels in the answer's ``response_metadata["guardrail"]`` (a JSON dict of
+``guardrail.verdict.Verdict``); a blocked call raises ``GuardrailBlockedError`` before any text is
+returned or streamed. Inside a ``GuardedRunnable`` the model marks the guard's untrusted values
+as data and reports its verdict to the guard; outside one, system/user messages are trusted and
+tool (and assistant) messages are data, as in ``guardrail.prompts``.
+
+Streaming: ``vllm.LLM.generate`` is not incremental, so ``stream``/``astream`` generate the whole
+answer, decide, and then emit it in word-sized chunks (token callbacks fire per chunk); a
+blocked call raises before the first chunk.
+
+Example:
+    >>> from guardrail.guarded import GuardedLLM
+    >>> model = GuardedChatModel(guarded=GuardedLLM(dtype="float32"))  # doctest: +SKIP
+    >>> model.invoke("Hi").response_metadata["guardrail"]["action"]  # doctest: +SKIP
+    'allow'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables.config import ensure_config
+from pydantic import ConfigDict, Field
+
+from guardrail.errors import ConfigError, RequestError
+from guardrail.guarded import GuardedLLM, GuardedResult
+from guardrail.policy import Policy
+from guardrail.prompts import Message
+from guardrail.verdict import Verdict
+
+from ._lc_batcher import batcher_for
+from ._lc_marking import to_guardrail_messages
+from ._lc_scope import GuardrailBlockedError, GuardScope, scope_policies, scopes_of
+
+METADATA_KEY = "guardrail"
+"""Key of the verdict in an answer's ``response_metadata``."""
+
+SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "seed")
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One prepared call: the marked request, its sampling options, and the guard scopes (if
+    any) whose policies apply and which collect its verdict."""
+
+    messages: list[Message]
+    options: dict[str, Any]
+    policies: tuple[Policy, ...] | None
+    scopes: tuple[GuardScope, ...]
+
+
+@dataclass(frozen=True)
+class ModelAnswer:
+    """What a guarded backend answered for one call."""
+
+    text: str
+    verdict: Verdict
+    num_generated_tokens: int = 0
+    finish_reason: str | None = None
+
+
+def _current_scopes(run_manager: Any) -> tuple[GuardScope, ...]:
+    """Guard scopes of this call: from the run manager, or (``_stream`` gets none) from the
+    config of the runnable context the model runs in."""
+    if run_manager is not None:
+        return tuple(scopes_of(run_manager))
+    callbacks = ensure_config().get("callbacks")
+    handlers = callbacks if isinstance(callbacks, list) else getattr(callbacks, "handlers", [])
+    return tuple(h for h in handlers or [] if isinstance(h, GuardScope))
+
+
+def _pieces(text: str) -> list[str]:
+    """Word-sized stream chunks that join back to ``text`` exactly."""
+    return [p for p in re.findall(r"\S*\s*", text) if p] or [""]
+
+
+class GuardedChatModelBase(BaseChatModel):
+    """What real and fake guarded chat models share: prepare the marked request, get an
+    answer from ``_complete``/``_acomplete``, record the verdict, raise on block, shape the
+    message or the stream. Subclasses implement the two ``_complete`` methods."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+
+    # -- subclass hooks ----------------------------------------------------------------------
+    def _complete(self, call: ModelCall) -> ModelAnswer:
+        raise NotImplementedError
+
+    async def _acomplete(self, call: ModelCall) -> ModelAnswer:
+        raise NotImplementedError
+
+    def _model_label(self) -> str:
+        return self._llm_type
+
+    # -- the shared flow ---------------------------------------------------------------------
+    def _prepare(
+        self, messages: Sequence[BaseMessage], stop: list[str] | None, run_manager: Any, kw: Any
+    ) -> ModelCall:
+        unknown = set(kw) - set(SAMPLING_OPTIONS) - {"stream"}
+        if unknown:
+            raise ConfigError(
+                f"{type(self).__name__} got unsupported call options {sorted(unknown)}; it "
+                f"accepts {', '.join(SAMPLING_OPTIONS)} and stop (tools are not supported)"
+            )
+        options = {k: kw.get(k, getattr(self, k)) for k in SAMPLING_OPTIONS}
+        if stop:
+            options["stop"] = list(stop)
+        scopes = _current_scopes(run_manager)
+        values = [v for scope in scopes for v in scope.untrusted_values()]
+        marked, found = to_guardrail_messages(messages, values)
+        for scope in scopes:
+            scope.note_marked(found)
+        return ModelCall(marked, options, scope_policies(scopes), scopes)
+
+    @staticmethod
+    def _settle(call: ModelCall, answer: ModelAnswer) -> None:
+        """Report the verdict to every enclosing guard, then refuse a blocked answer."""
+        for scope in call.scopes:
+            scope.record(answer.verdict)
+        if answer.verdict.blocked:
+            verdict = answer.verdict
+            raise GuardrailBlockedError(
+                f"prompt injection blocked (request {verdict.request_id}): {verdict.reason}",
+                verdict,
+            )
+
+    def _usage(self, answer: ModelAnswer) -> UsageMetadata:
+        prompt, generated = answer.verdict.num_prompt_tokens, answer.num_generated_tokens
+        return UsageMetadata(
+            input_tokens=prompt, output_tokens=generated, total_tokens=prompt + generated
+        )
+
+    def _end_metadata(self, answer: ModelAnswer) -> dict[str, Any]:
+        return {"finish_reason": answer.finish_reason, "model_name": self._model_label()}
+
+    def _message(self, answer: ModelAnswer) -> AIMessage:
+        metadata = {
+            METADATA_KEY: answer.verdict.model_dump(mode="json"),
+            **self._end_metadata(answer),
+        }
+        return AIMessage(
+            content=answer.text, response_metadata=metadata, usage_metadata=self._usage(answer)
+        )
+
+    def _chunks(self, answer: ModelAnswer) -> Iterator[ChatGenerationChunk]:
+        """The answer as chunks: the verdict on the first, finish reason and usage on the last."""
+        pieces = _pieces(answer.text)
+        for i, piece in enumerate(pieces):
+            metadata: dict[str, Any] = {}
+            if i == 0:
+                metadata[METADATA_KEY] = answer.verdict.model_dump(mode="json")
+            last = i == len(pieces) - 1
+            if last:
+                metadata.update(self._end_metadata(answer))
+            chunk = AIMessageChunk(
+                content=piece,
+                response_metadata=metadata,
+                usage_metadata=self._usage(answer) if last else None,
+                chunk_position="last" if last else None,
+            )
+            yield ChatGenerationChunk(message=chunk)
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: Any = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        call = self._prepare(messages, stop, run_manager, kwargs)
+        answer = self._complete(call)
+        self._settle(call, answer)
+        return ChatResult(generations=[ChatGeneration(message=self._message(answer))])
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: Any = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        call = self._prepare(messages, stop, run_manager, kwargs)
+        answer = await self._acomplete(call)
+        self._settle(call, answer)
+        return ChatResult(generations=[ChatGeneration(message=self._message(answer))])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: Any = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        call = self._prepare(messages, stop, run_manager, kwargs)
+        answer = self._complete(call)
+        self._settle(call, answer)  # decided before the first chunk
+        yield from self._chunks(answer)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: Any = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        call = self._prepare(messages, stop, run_manager, kwargs)
+        answer = await self._acomplete(call)
+        self._settle(call, answer)
+        for chunk in self._chunks(answer):
+            yield chunk
+
+
+class GuardedChatModel(GuardedChatModelBase):
+    """A LangChain chat model backed by a ``GuardedLLM``: the probe runs inside the serving
+    model during each call's own prefill, the ``GuardedLLM``'s policies decide (a surrounding
+    ``GuardedRunnable`` may override them), and a block raises ``GuardrailBlockedError``.
+
+    The ``GuardedLLM``'s own ``on_block`` is not used: the model always raises on block, and a
+    ``GuardedRunnable`` turns that into a refusal when asked to. Calls from threads and event
+    loops are batched onto the engine by one worker per engine (see ``_lc_batcher``), so
+    ``batch``, ``abatch`` and concurrent ``ainvoke`` calls share ``generate`` batches. Tool
+    calling is not supported.
+
+    Example:
+        >>> model = GuardedChatModel(guarded=guarded_llm, max_tokens=64)  # doctest: +SKIP
+        >>> chain = prompt | model | StrOutputParser()  # doctest: +SKIP
+        >>> chain.invoke({"question": "Why is the sky blue?"})  # doctest: +SKIP
+        'Because ...'
+    """
+
+    guarded: GuardedLLM = Field(exclude=True)
+
+    @property
+    def _llm_type(self) -> str:
+        return "guardrail-vllm"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self._model_label(),
+            **{k: getattr(self, k) for k in SAMPLING_OPTIONS},
+        }
+
+    def _model_label(self) -> str:
+        return self.guarded.model_name
+
+    def _submit(self, call: ModelCall) -> Any:
+        from vllm import SamplingParams
+
+        options = {k: v for k, v in call.options.items() if v is not None}
+        return batcher_for(self.guarded).submit(
+            self.guarded, call.messages, SamplingParams(**options), policies=call.policies
+        )
+
+    @staticmethod
+    def _answer(result: GuardedResult) -> ModelAnswer:
+        if result.error is not None:
+            raise result.error
+        if result.verdict is None:
+            raise RequestError("the guarded engine returned no verdict for this request")
+        return ModelAnswer(
+            text=result.text,
+            verdict=result.verdict,
+            num_generated_tokens=result.num_generated_tokens,
+            finish_reason=result.finish_reason,
+        )
+
+    def _complete(self, call: ModelCall) -> ModelAnswer:
+        return self._answer(self._submit(call).result())
+
+    async def _acomplete(self, call: ModelCall) -> ModelAnswer:
+        return self._answer(await asyncio.wrap_future(self._submit(call)))

@@ -1,0 +1,162 @@
+"""Calibration math on synthetic per-head scores: head rule, weighting, thresholds, sweeps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from guardrail.calibration import (
+    CalibrationSettings,
+    calibrate_probes,
+    choose_budget,
+    choose_selection_n,
+    fit_l1_logistic,
+    greedy_layer_sweep,
+    group_folds,
+    head_margins,
+    logistic_focus_array,
+    midpoint_threshold,
+    select_heads,
+    threshold_at_fpr,
+)
+from guardrail.config import ModelProbeConfig
+from guardrail.evaluation import auroc
+
+pytest.importorskip("sklearn")
+
+LAYERS, HEADS = 6, 4
+GRID = [(layer, head) for layer in range(LAYERS) for head in range(HEADS)]
+
+
+def synthetic(n_groups: int = 60, seed: int = 0, informative: dict | None = None):
+    """Rows of 4 per group (1 clean, 3 injected); ``informative`` maps head -> focus drop."""
+    informative = informative or {(2, 1): 0.25, (4, 3): 0.15}
+    rng = np.random.default_rng(seed)
+    labels = np.tile([0, 1, 1, 1], n_groups)
+    groups = [f"g{i // 4}" for i in range(len(labels))]
+    scores = rng.normal(0.5, 0.08, (len(labels), len(GRID)))
+    for head, drop in informative.items():
+        scores[labels == 1, GRID.index(head)] -= drop
+    return np.clip(scores, 0, 1), labels, groups
+
+
+def test_head_margins_follow_the_published_rule():
+    scores, labels, _ = synthetic()
+    b, a = scores[labels == 0], scores[labels == 1]
+    expected = b.mean(0) - a.mean(0) - 0.7 * (b.std(0) + a.std(0))
+    np.testing.assert_allclose(head_margins(scores, labels, 0.7), expected)
+
+
+def test_selection_keeps_informative_heads_and_shrinks_with_n():
+    scores, labels, _ = synthetic()
+    strict = set(select_heads(scores, labels, 1.0).tolist())
+    loose = set(select_heads(scores, labels, 0.0).tolist())
+    assert strict == {GRID.index((2, 1))}
+    assert strict <= loose and GRID.index((4, 3)) in loose
+
+
+def test_n_is_chosen_on_validation_rows():
+    scores, labels, groups = synthetic()
+    val = group_folds(groups, 4) == 0
+    choice = choose_selection_n(scores, labels, val)
+    assert choice.n is not None and choice.table
+    assert GRID.index((2, 1)) in choice.columns
+    best = max(row["val_auroc"] for row in choice.table)
+    assert choice.val_auroc == pytest.approx(best, abs=1e-4)
+
+
+def test_selection_falls_back_to_the_best_head_without_signal():
+    scores, labels, groups = synthetic(informative={(0, 0): -0.3})  # injected focus goes *up*
+    choice = choose_selection_n(scores, labels, group_folds(groups, 4) == 0, candidates=[5.0])
+    assert choice.n is None and len(choice.columns) == 1
+
+
+def test_midpoint_threshold():
+    focus = np.array([0.9, 0.7, 0.3, 0.1])
+    assert midpoint_threshold(focus, np.array([0, 0, 1, 1])) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("fpr", [0.0, 0.01, 0.05, 0.2])
+def test_threshold_at_fpr_bounds_false_positives(fpr):
+    rng = np.random.default_rng(3)
+    focus = np.r_[rng.uniform(0.3, 0.9, 400), rng.uniform(0.0, 0.6, 300)]
+    labels = np.r_[np.zeros(400), np.ones(300)].astype(int)
+    t = threshold_at_fpr(focus, labels, fpr)
+    flagged_clean = (focus[labels == 0] <= t).mean()
+    assert flagged_clean <= fpr + 1e-12
+    # the threshold is as high as allowed: one more clean row would exceed the budget
+    next_clean = np.sort(focus[labels == 0])[int(np.floor(fpr * 400))]
+    assert t < next_clean and (focus[labels == 0] <= next_clean).mean() > fpr
+
+
+def test_group_folds_keep_groups_whole_and_balanced():
+    groups = [f"g{i // 4}" for i in range(200)]
+    folds = group_folds(groups, 5, seed=1)
+    for g in set(groups):
+        assert len({folds[i] for i, x in enumerate(groups) if x == g}) == 1
+    assert sorted(np.bincount(folds).tolist()) == [40] * 5
+
+
+def test_l1_logistic_is_sparse_and_matches_the_serving_focus():
+    scores, labels, _ = synthetic(n_groups=100)
+    weights, bias = fit_l1_logistic(scores, labels, c=0.05)
+    nonzero = {GRID[j] for j in np.flatnonzero(weights)}
+    assert (2, 1) in nonzero and (4, 3) in nonzero
+    assert len(nonzero) <= 8, "the L1 penalty should drop most noise heads"
+    assert weights[GRID.index((2, 1))] < 0, "lower focus must mean more likely injected"
+    keep = np.flatnonzero(weights)
+    config = ModelProbeConfig(
+        model_id="synthetic",
+        probe="logistic",
+        heads=[GRID[j] for j in keep],
+        weights=weights[keep].tolist(),
+        bias=bias,
+    )
+    expected = logistic_focus_array(scores, weights, bias)
+    served = [config.focus(dict(zip(GRID, row, strict=True))) for row in scores[:20]]
+    np.testing.assert_allclose(served, expected[:20], rtol=1e-9)
+
+
+def test_logistic_weighting_beats_mean_focus_when_heads_differ_in_strength():
+    # many weak heads plus one strong one with a large spread: averaging dilutes it
+    informative = {(1, h): 0.03 for h in range(4)} | {(3, 0): 0.2}
+    scores, labels, groups = synthetic(n_groups=120, informative=informative)
+    test_scores, test_labels, _ = synthetic(n_groups=60, seed=9, informative=informative)
+    result = calibrate_probes(
+        scores, labels, GRID, groups, CalibrationSettings(max_layers=2, folds=3)
+    )
+    log, mean = result["probes"]["logistic"], result["probes"]["mean_focus"]
+    cols = [GRID.index(tuple(h)) for h in log["heads"]]
+    held_log = 1 - logistic_focus_array(test_scores[:, cols], np.array(log["weights"]), log["bias"])
+    held_mean = 1 - test_scores[:, [GRID.index(tuple(h)) for h in mean["heads"]]].mean(1)
+    assert auroc(test_labels, held_log) >= auroc(test_labels, held_mean) - 0.01
+    assert auroc(test_labels, held_log) > 0.9
+
+
+def test_greedy_sweep_finds_the_informative_layer_first():
+    scores, labels, groups = synthetic(informative={(4, 0): 0.2, (4, 2): 0.1})
+    steps = greedy_layer_sweep(scores, labels, GRID, group_folds(groups, 4), max_layers=2)
+    assert steps[0].layers == [4] and len(steps[1].layers) == 2
+    assert steps[0].metrics["cv_auroc"] > 0.9
+    assert choose_budget(steps, tolerance=0.02).layers == [4]
+
+
+def test_calibrate_probes_returns_valid_configs_and_thresholds():
+    scores, labels, groups = synthetic()
+    result = calibrate_probes(
+        scores, labels, GRID, groups, CalibrationSettings(max_layers=2, target_fpr=0.05, folds=3)
+    )
+    assert result["chosen"] in ("logistic", "mean_focus")
+    assert len(result["layer_sweep"]) == 3  # 1 and 2 layers, then all layers
+    for kind, probe in result["probes"].items():
+        config = ModelProbeConfig(
+            model_id="synthetic",
+            probe=kind,
+            heads=probe["heads"],
+            weights=probe["weights"],
+            bias=probe["bias"],
+            threshold=probe["threshold"],
+        )
+        assert set(probe["thresholds"]) == {"midpoint", "fpr@0.01", "fpr@0.05"}
+        assert config.threshold == pytest.approx(probe["thresholds"]["fpr@0.05"])
+        assert config.layers and len(config.layers) <= LAYERS

@@ -1,0 +1,346 @@
+"""The calibrate / evaluate / split commands end to end on the tiny model, and the data layer.
+
+Scores of a random tiny model mean nothing as detection; these tests check that rows go
+through the real serving probe, that what calibrate writes loads and validates, and that
+evaluate's numbers are the ones its config computes on the probe's head scores.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from guardrail.cli import SUBCOMMANDS, build_parser, main, score_pairs
+from guardrail.config import read_model_config
+from guardrail.datasets import (
+    LabelledPair,
+    insert_at,
+    load_pairs,
+    make_injected_twins,
+    pairs_sha256,
+    read_split,
+    split_by_group,
+)
+from guardrail.errors import ConfigError
+
+pytest.importorskip("sklearn")
+
+EMAILS = [
+    ("Summarize the email.", "Hello team. The meeting moved to Friday. Bring the report."),
+    ("What amount was paid?", "Your card was charged $20 by ACME. Reply if this is wrong."),
+    ("Who sent the email?", "Hi, this is Dana from sales. Please find the price list below."),
+    ("Find the date in the email.", "The invoice is due on 3 May. Thank you for your order."),
+    ("List the action items.", "Please read the file. Then send the total to the company."),
+    ("Translate the subject line.", "SUBJECT: team game|CONTENT: the game is at the city park."),
+]
+
+
+def write_rows(path: Path, labelled: bool) -> list[LabelledPair]:
+    benign = [
+        LabelledPair(f"e{i}", q, d, 0, task="email", group=f"email:{i}")
+        for i, (q, d) in enumerate(EMAILS)
+    ]
+    rows = benign + make_injected_twins(benign, per_row=2, seed=1) if labelled else benign
+    with path.open("w") as f:
+        for r in rows:
+            doc = {
+                "id": r.id,
+                "instruction": r.instruction,
+                "data": r.data,
+                "task": r.task,
+                "source": r.group,
+                "attack_category": r.attack_category,
+                "position": r.position,
+            }
+            f.write(json.dumps({**doc, "label": r.label} if labelled else doc) + "\n")
+    return rows
+
+
+def engine_args(model_dir: Path) -> list[str]:
+    return ["--model", str(model_dir), "--max-model-len", "2048", "--batch-size", "8"]
+
+
+def test_subcommand_registry():
+    assert {"calibrate", "evaluate", "split"} <= set(SUBCOMMANDS)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["calibrate"])  # --data and --out are required
+
+
+@pytest.mark.timeout(900)
+def test_calibrate_then_evaluate_on_the_tiny_model(tiny_engine, tiny_llama_dir, tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", labelled=True)
+    report = tmp_path / "report.json"
+    code = main(
+        [
+            "calibrate",
+            "--data",
+            str(tmp_path / "rows.jsonl"),
+            "--out",
+            str(tmp_path / "cfg"),
+            "--model-id",
+            "tiny/llama",
+            "--report",
+            str(report),
+            "--folds",
+            "3",
+            "--max-layers",
+            "2",
+            *engine_args(tiny_llama_dir),
+        ],
+        engine=tiny_engine,
+    )
+    assert code == 0
+    config = read_model_config(tmp_path / "cfg" / "llama.json")
+    config.check_fits(4, 4)
+    assert config.model_id == "tiny/llama" and config.threshold is not None
+    assert config.calibration is not None
+    assert config.calibration.num_examples == len(rows) == 18
+    assert config.calibration.sha256 == pairs_sha256(rows)
+    assert {"midpoint", "fpr@0.01", "fpr@0.05"} <= set(config.calibration.thresholds)
+    doc = json.loads(report.read_text())
+    assert set(doc["configs"]) == {"logistic", "mean_focus"} and doc["layer_sweep"]
+
+    out = tmp_path / "eval"
+    assert (
+        main(
+            [
+                "evaluate",
+                "--config",
+                str(report),
+                str(tmp_path / "cfg" / "llama.json"),
+                "--data",
+                str(tmp_path / "rows.jsonl"),
+                "--out-dir",
+                str(out),
+                "--name",
+                "d",
+                *engine_args(tiny_llama_dir),
+            ],
+            engine=tiny_engine,
+        )
+        == 0
+    )
+    result = json.loads((out / "d.json").read_text())
+    assert (out / "d.md").read_text().startswith("# ")
+    assert (out / "roc_d.png").stat().st_size > 5000 and (out / "layers_d.png").exists()
+    assert {"keyword baseline", "data length (tokens)"} <= set(result["detectors"])
+    # the reported AUROC is the one the config computes on the probe's own head scores
+    pairs, _ = load_pairs(tmp_path / "rows.jsonl")
+    table, skipped = score_pairs(tiny_engine, pairs)
+    assert not skipped
+    risk = [1 - config.focus(dict(zip(table.heads, row, strict=True))) for row in table.values]
+    from guardrail.evaluation import auroc
+
+    name = f"{config.probe} (llama)"
+    assert result["detectors"][name]["overall"]["auroc"] == pytest.approx(
+        auroc([p.label for p in pairs], risk), abs=1e-4
+    )
+
+
+def test_calibrate_from_benign_pairs_alone(tiny_engine, tiny_llama_dir, tmp_path):
+    write_rows(tmp_path / "benign.jsonl", labelled=False)
+    cache = tmp_path / "scores.npz"
+    args = [
+        "calibrate",
+        "--data",
+        str(tmp_path / "benign.jsonl"),
+        "--out",
+        str(tmp_path),
+        "--twins-per-row",
+        "3",
+        "--folds",
+        "2",
+        "--max-layers",
+        "1",
+        "--probe",
+        "mean_focus",
+        "--scores-cache",
+        str(cache),
+        *engine_args(tiny_llama_dir),
+    ]
+    assert main(args, engine=tiny_engine) == 0
+    config = read_model_config(tmp_path / f"{tiny_llama_dir.name}.json")
+    assert config.probe == "mean_focus" and config.weights is None
+    assert config.calibration is not None and config.calibration.num_examples == 6 * 4
+    assert "generated twins" in config.calibration.dataset
+    # a second run reads every score from the cache: no engine is needed at all
+    assert main(args, engine=None) == 0
+
+
+def test_calibrate_reports_missing_classes(tiny_engine, tiny_llama_dir, tmp_path, capsys):
+    path = tmp_path / "clean.jsonl"
+    path.write_text(json.dumps({"instruction": "Sum up.", "data": "Text.", "label": 0}) + "\n")
+    code = main(
+        ["calibrate", "--data", str(path), "--out", str(tmp_path), *engine_args(tiny_llama_dir)],
+        engine=tiny_engine,
+    )
+    assert code == 2 and "clean and injected rows" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_console_entry_starts_its_own_engine(tiny_llama_dir, tmp_path):
+    write_rows(tmp_path / "rows.jsonl", labelled=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "guardrail.cli",
+            "calibrate",
+            "--data",
+            str(tmp_path / "rows.jsonl"),
+            "--out",
+            str(tmp_path),
+            "--folds",
+            "2",
+            "--max-layers",
+            "1",
+            *engine_args(tiny_llama_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_model_config(tmp_path / f"{tiny_llama_dir.name}.json").calibration is not None
+
+
+# -- data layer --------------------------------------------------------------------------------
+
+
+def test_load_pairs_errors_name_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"instruction": "a", "data": "b", "label": 0}\n{"instruction": "a"}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: field 'data' must be a string"):
+        load_pairs(path)
+    path.write_text('{"instruction": "a", "data": "b", "label": 2}\n')
+    with pytest.raises(ConfigError, match=r"must be 0 \(clean\) or 1"):
+        load_pairs(path)
+    path.write_text(
+        '{"instruction": "a", "data": "b", "label": 1}\n{"instruction": "c", "data": "d"}\n'
+    )
+    with pytest.raises(ConfigError, match="1 of 2 rows have no 'label'"):
+        load_pairs(path)
+
+
+def test_bipia_style_rows_group_by_source_context(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    rows = [
+        {
+            "id": f"r{i}",
+            "task": "table",
+            "source_index": i // 4,
+            "instruction": "Q",
+            "data": "d",
+            "label": int(i % 4 > 0),
+        }
+        for i in range(40)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    pairs, labelled = load_pairs(path)
+    assert labelled and pairs[5].group == "table:1"
+    kept, held = split_by_group(pairs, 0.3, seed=2)
+    assert len(held) == 12 and not {p.group for p in kept} & {p.group for p in held}
+    assert all(sum(p.group == g for p in held) == 4 for g in {p.group for p in held})
+
+
+def test_split_file_round_trip(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        "\n".join(
+            json.dumps({"task": t, "source_index": i, "instruction": "Q", "data": "d", "label": 0})
+            for t in ("email", "code")
+            for i in range(10)
+        )
+    )
+    assert (
+        main(
+            [
+                "split",
+                "--data",
+                str(path),
+                "--held-out",
+                "0.5",
+                "--max-held-out-groups",
+                "3",
+                "--out",
+                str(tmp_path / "split.json"),
+            ]
+        )
+        == 0
+    )
+    held = read_split(tmp_path / "split.json")
+    assert len(held) == 6 and {g.split(":")[0] for g in held} == {"email", "code"}
+
+
+def test_injected_twins_and_insert_positions():
+    base = LabelledPair("x", "Summarize.", "First sentence. Second one. Third here.", 0)
+    twins = make_injected_twins([base], per_row=3, seed=0)
+    assert [t.position for t in twins] == ["start", "middle", "end"]
+    assert all(t.label == 1 and t.group == base.group and t.attack in t.data for t in twins)
+    assert twins[0].data.startswith(twins[0].attack) and twins[2].data.endswith(twins[2].attack)
+    assert insert_at("no boundary", "X", "middle") == "no bo X undary"
+    assert len({t.attack for t in make_injected_twins([base] * 20, 1, seed=3)}) > 5
+    with pytest.raises(ConfigError):
+        insert_at("a", "b", "nowhere")
+
+
+def test_pairs_hash_ignores_order_and_sees_content():
+    a, b = LabelledPair("a", "i", "d", 0), LabelledPair("b", "i", "e", 1)
+    assert pairs_sha256([a, b]) == pairs_sha256([b, a])
+    assert pairs_sha256([a, b]) != pairs_sha256([a, LabelledPair("b", "i", "e", 0)])
+
+
+# -- the shipped SmolLM2 config and its held-out split -----------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+BIPIA = REPO.parent / "shared" / "data" / "bipia"
+SPLIT = REPO / "docs" / "bipia_heldout_split.json"
+
+
+def bipia_rows() -> list[LabelledPair]:
+    if not BIPIA.is_dir():
+        pytest.skip("shared BIPIA data not beside the checkout")
+    files = [BIPIA / f"bipia_{task}_train_pairs.jsonl" for task in ("email", "code", "table")]
+    return load_pairs(files)[0]
+
+
+def test_shipped_smollm2_config_is_a_sparse_calibrated_logistic_probe():
+    config = read_model_config(REPO / "model_configs" / "SmolLM2-135M-Instruct.json")
+    config.check_fits(30, 9)
+    assert config.probe == "logistic" and len(config.layers) <= 6
+    assert config.calibration is not None and config.calibration.num_examples > 300
+    assert {"midpoint", "fpr@0.01", "fpr@0.05"} <= set(config.calibration.thresholds)
+    assert config.threshold == config.calibration.thresholds["fpr@0.01"]
+
+
+def test_held_out_split_matches_the_data_and_is_disjoint_by_context():
+    pairs = bipia_rows()
+    doc = json.loads(SPLIT.read_text())
+    held = read_split(SPLIT)
+    held_rows = [p for p in pairs if p.group in held]
+    assert pairs_sha256(held_rows) == doc["held_out_sha256"] and len(held_rows) == 400
+    assert {len(v) for v in doc["held_out_groups"].values()} == {20, 60}
+
+
+@pytest.mark.slow
+def test_shipped_smollm2_config_hash_is_its_calibration_rows(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from guardrail.datasets import sample_groups
+    from guardrail.prompts import prepare_prompt
+
+    config = read_model_config(REPO / "model_configs" / "SmolLM2-135M-Instruct.json")
+    held = read_split(SPLIT)
+    rows = sample_groups([p for p in bipia_rows() if p.group not in held], 60, seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    kept = [
+        p for p in rows if len(prepare_prompt((p.instruction, p.data), tokenizer).token_ids) <= 2048
+    ]
+    assert config.calibration is not None
+    assert config.calibration.num_examples == len(kept)
+    assert config.calibration.sha256 == pairs_sha256(kept)

@@ -111,7 +111,14 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     engines = start_engines(model, args.engines, engine_args, args.probe_config)
     first = next(iter(engines.values()))
     tokenizer = getattr(first, "llm", first).get_tokenizer()
-    rows = []
+    header = {
+        "model": model,
+        "engine_args": engine_args,
+        "repeats": args.repeats,
+        "max_tokens": args.max_tokens,
+        "machine": machine_info(),
+    }
+    rows: list[dict[str, Any]] = []
     cases = [(length, batch) for length in args.lengths for batch in args.batches]
     progress = tqdm(total=len(cases) * (args.repeats + 1) * len(engines), desc="benchmark")
     for length, batch in cases:
@@ -130,19 +137,20 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     probe.extend(probe_s if name == "guarded-eager" else [])
                 progress.update()
         rows.append(summarise(length, batch, times, probe, prepared, args.max_tokens))
+        write(args, {**header, "rows": rows})  # partial results survive an interrupted run
     progress.close()
     for engine in engines.values():
         close = getattr(engine, "close", None)
         if callable(close):
             close()
-    return {
-        "model": model,
-        "engine_args": engine_args,
-        "repeats": args.repeats,
-        "max_tokens": args.max_tokens,
-        "machine": machine_info(),
-        "rows": rows,
-    }
+    return {**header, "rows": rows}
+
+
+def write(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(markdown(result))
 
 
 def summarise(
@@ -179,6 +187,7 @@ def machine_info() -> dict[str, Any]:
     import vllm
 
     return {
+        "load_avg_1min_at_start": round(os.getloadavg()[0], 1),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
@@ -239,10 +248,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     result = benchmark(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    args.report.parent.mkdir(parents=True, exist_ok=True)
-    args.report.write_text(markdown(result))
+    write(args, result)
     print(markdown(result))
 
 

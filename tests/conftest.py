@@ -55,7 +55,7 @@ def tiny_config(model_id: str = "tiny", threshold: float | None = 0.5):  # type:
     return ModelProbeConfig(model_id=model_id, heads=heads, threshold=threshold)
 
 
-def start_engine(model_dir: Path, multiprocess: bool = False, **overrides):  # type: ignore[no-untyped-def]
+def start_engine(model_dir: Path, multiprocess: bool = True, **overrides):  # type: ignore[no-untyped-def]
     import vllm.envs
 
     from guardrail.engine import HookedLLM
@@ -78,8 +78,12 @@ def start_engine(model_dir: Path, multiprocess: bool = False, **overrides):  # t
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_llama_dir: Path) -> Iterator[object]:
-    """The one hooked engine most tests share: tiny Llama, in-process, every head probed."""
-    engine = start_engine(tiny_llama_dir)
+    """The one hooked engine most tests share: tiny Llama, in-process, every head probed.
+
+    Only this engine runs in-process: closing an in-process vLLM engine tears down the
+    process-wide distributed state, which would break any other in-process engine.
+    """
+    engine = start_engine(tiny_llama_dir, multiprocess=False)
     yield engine
     engine.close()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,12 @@ from guardrail.config import ModelProbeConfig, load_model_config, read_model_con
 from guardrail.errors import ConfigError, EngineNotGuardableError, GuardrailError
 from guardrail.prompts import PreparedPrompt, RequestLike, prepare_prompt
 from guardrail.scoring import HeadKey
+from guardrail.steering_engine import (
+    STEER_ARG,
+    SteeringEngineMixin,
+    SteeringLike,
+    SteeringReport,
+)
 
 WORKER_EXTENSION = "guardrail._vllm_worker.GuardrailWorkerExtension"
 STOP_PROCESSOR = "guardrail._vllm_worker:ProbeStopLogitsProcessor"
@@ -58,6 +64,7 @@ class GuardedOutput:
     num_cached_tokens: int = 0
     probe: ProbeResult | None = None
     error: GuardrailError | None = None
+    steering: SteeringReport | None = None  # set for steered requests
 
 
 def _merge_rank_results(per_rank: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -93,13 +100,14 @@ def _check_sizes_from_files(model: str, config: ModelProbeConfig) -> None:
         config.check_fits(int(hf["num_hidden_layers"]), int(hf["num_attention_heads"]))
 
 
-class HookedLLM:
+class HookedLLM(SteeringEngineMixin):
     """A ``vllm.LLM`` with the guardrail probe installed in its workers.
 
     ``model`` is a model path or id (default: the embedded SmolLM2-135M-Instruct);
     ``probe_config`` a ``ModelProbeConfig``, a JSON path, or None to use the shipped config for
     the model; ``probe_heads`` overrides which heads are scored ("all" scores every head of
     every layer, for calibration). Other keyword arguments go to ``vllm.LLM`` unchanged.
+    Steering (``load_steering_vector``, ``generate(steering=...)``) needs ``enforce_eager=True``.
     """
 
     def __init__(
@@ -217,6 +225,7 @@ class HookedLLM:
         stop_below: float | Sequence[float | None] | None = None,
         stop_on_probe_error: bool | Sequence[bool] = True,
         probe_keys: Sequence[str | None] | None = None,
+        steering: SteeringLike | Sequence[SteeringLike | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[GuardedOutput]:
         """Generate for each request with the probe on; one ``GuardedOutput`` per request, in order.
@@ -228,6 +237,9 @@ class HookedLLM:
         engine; the others are answered. A request whose score did not come back has
         ``probe.error`` set. ``probe_keys`` (one per request, None for a fresh uuid) chooses the
         key a request's score travels under, e.g. to aim ``set_probe_faults`` at one request.
+        ``steering`` (one value or one per request, None = unsteered) steers requests with a
+        loaded vector; their output's ``steering`` report says how many positions were steered,
+        or why steering failed.
         """
         from vllm.inputs import TokensPrompt
 
@@ -237,6 +249,8 @@ class HookedLLM:
         stops = self._per_request(stop_below, len(requests), "stop_below")
         on_error = self._per_request(stop_on_probe_error, len(requests), "stop_on_probe_error")
         chosen_keys = self._probe_keys(probe_keys, len(requests))
+        steer = self._steering_plan(steering, len(requests))
+        steered = {}
         outputs: list[GuardedOutput | None] = [None] * len(requests)
         batch, batch_params, keys, indices = [], [], [], []
         for i, request in enumerate(requests):
@@ -246,11 +260,17 @@ class HookedLLM:
                 outputs[i] = GuardedOutput(index=i, prompt=None, error=exc)
                 continue
             key = chosen_keys[i] or uuid.uuid4().hex
-            batch.append((prepared, TokensPrompt(prompt_token_ids=prepared.token_ids)))
+            prompt = TokensPrompt(prompt_token_ids=prepared.token_ids)
             spec = prepared.probe_spec(key)
             if stops[i] is not None:
                 spec.update(self._stop_spec(params[i], stops[i], bool(on_error[i])))
             batch_params.append(self._with_probe(params[i], spec))
+            resolved = steer[i]
+            if resolved is not None:  # never reuse KV cached without this steering
+                prompt["cache_salt"] = resolved.cache_salt
+                batch_params[-1].extra_args[STEER_ARG] = resolved.spec(key)
+                steered[key] = resolved
+            batch.append((prepared, prompt))
             keys.append(key)
             indices.append(i)
         if batch:
@@ -258,8 +278,10 @@ class HookedLLM:
                 results = self.llm.generate([p for _, p in batch], batch_params, use_tqdm=use_tqdm)
             finally:  # pop even on failure: a reused key must never find a stale score
                 per_rank = self.llm.collective_rpc("guardrail_pop_results", args=(keys,))
+                reports = self._steering_reports(steered)
             for (prepared, _), key, i, result in zip(batch, keys, indices, results, strict=True):
-                outputs[i] = self._output(i, prepared, result, _merge_rank_results(per_rank, key))
+                output = self._output(i, prepared, result, _merge_rank_results(per_rank, key))
+                outputs[i] = replace(output, steering=reports.get(key))
         return [o for o in outputs if o is not None]
 
     def _probe_keys(self, probe_keys: Sequence[str | None] | None, n: int) -> list[str | None]:
@@ -362,7 +384,7 @@ class HookedLLM:
             shutdown = getattr(core, "shutdown", None)
             if callable(shutdown):
                 shutdown()
-            self.llm = None  # type: ignore[assignment]
+            self.llm = None
 
     def __enter__(self) -> HookedLLM:
         return self

@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from guardrail.config import ModelProbeConfig, load_model_config, read_model_config
-from guardrail.errors import ConfigError, GuardrailError, PromptInjectionBlocked, RequestError
+from guardrail.errors import (
+    ConfigError,
+    EngineNotGuardableError,
+    GuardrailError,
+    PromptInjectionBlocked,
+    RequestError,
+)
 from guardrail.policy import (
     DEFAULT_POLICY,
     PerRequestPolicies,
@@ -39,6 +45,8 @@ from guardrail.policy import (
     policies_per_request,
 )
 from guardrail.prompts import RequestLike
+from guardrail.retry_flow import RetryFlowMixin
+from guardrail.steering import SteeringVector
 from guardrail.verdict import Verdict
 
 if TYPE_CHECKING:
@@ -98,7 +106,7 @@ def _resolve_config(
     return load_model_config(model)
 
 
-class GuardedLLM:
+class GuardedLLM(RetryFlowMixin):
     """A guarded model: ``generate`` returns one ``GuardedResult`` per request, in order.
 
     ``model`` is a model path or id (default: the embedded SmolLM2-135M-Instruct); ``policies``
@@ -139,6 +147,11 @@ class GuardedLLM:
         self._configure(config, policies, on_block, refusal_text, metrics, early_block, model_name)
         self.engine = HookedLLM(model, config, **engine_kwargs)
         self._owns_engine = True
+        try:
+            self._prepare_steering(self.policies)
+        except BaseException:
+            self.engine.close()
+            raise
 
     @classmethod
     def from_engine(
@@ -163,6 +176,7 @@ class GuardedLLM:
         )
         self.engine = engine
         self._owns_engine = False
+        self._prepare_steering(self.policies)
         return self
 
     def _configure(
@@ -189,6 +203,7 @@ class GuardedLLM:
         self.metrics = metrics
         self.early_block = early_block
         self.model_name = model_name or config.model_id
+        self._retry_vectors: dict[str | None, SteeringVector] = {}
 
     # -- public API ------------------------------------------------------------------------------
     def generate(
@@ -269,6 +284,11 @@ class GuardedLLM:
         ids, errors = self._request_ids(request_ids, n)
         sets: list[tuple[Policy, ...]] = []
         for i, entry in enumerate(policies_per_request(policies, n, self.policies, self.threshold)):
+            try:
+                if not isinstance(entry, ConfigError) and not scoring:
+                    self._prepare_steering(entry)
+            except (ConfigError, EngineNotGuardableError) as exc:
+                entry = ConfigError(f"retry_with_steering cannot run: {exc}")
             if isinstance(entry, ConfigError):
                 errors.setdefault(i, entry)
             sets.append(() if isinstance(entry, ConfigError) else entry)
@@ -289,6 +309,8 @@ class GuardedLLM:
             results[i] = GuardedResult(index=i, request_id=ids[i], error=error)
         for i, output in zip(send, outputs, strict=True):
             results[i] = self._result(i, ids[i], output, sets[i], scoring)
+        if not scoring:
+            self._retry(requests, sampling_params, params, sets, ids, results)
         if self.metrics is not None:
             for r in results:
                 if r is not None and r.verdict is not None:
@@ -346,7 +368,7 @@ class GuardedLLM:
         return ids, errors
 
     def _stop_plan(
-        self, policies: tuple[Policy, ...], params: Any, scoring: bool
+        self, policies: tuple[Policy, ...], params: Any, scoring: bool, attempt: int = 1
     ) -> tuple[float | None, bool]:
         """``(stop_below, stop_on_probe_error)`` when this request can be blocked in-engine."""
         if scoring or not self.early_block or not policies:
@@ -362,7 +384,7 @@ class GuardedLLM:
             return None, False
         if self.engine.tokenizer.eos_token_id is None:
             return None, False
-        return early_stop(policies, self.threshold)
+        return early_stop(policies, self.threshold, attempt)
 
     def _result(
         self,
@@ -371,7 +393,9 @@ class GuardedLLM:
         output: GuardedOutput,
         policies: tuple[Policy, ...],
         scoring: bool,
+        verdict: Verdict | None = None,
     ) -> GuardedResult:
+        """The result of one output; ``verdict`` replaces the policies' decision (retries)."""
         if output.error is not None or output.probe is None or output.prompt is None:
             error = output.error or RequestError("the engine returned no result for this request")
             return GuardedResult(index=index, request_id=request_id, error=error)
@@ -386,7 +410,10 @@ class GuardedLLM:
             latency_s=probe.probe_seconds,
             stopped_early=probe.stopped,
         )
-        verdict = decide(policies, reading, request_id=request_id, model_threshold=self.threshold)
+        if verdict is None:
+            verdict = decide(
+                policies, reading, request_id=request_id, model_threshold=self.threshold
+            )
         result = GuardedResult(
             index=index,
             request_id=request_id,

@@ -25,6 +25,7 @@ from typing import Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from guardrail.errors import ConfigError
+from guardrail.retry import RetrySettings
 from guardrail.verdict import Action, Attempt, FailureMode, PolicyDecision, Verdict
 
 NEVER_BY_SCORE = -1.0
@@ -37,6 +38,7 @@ class PromptInjectionPolicy(BaseModel):
     ``threshold`` defaults to the model config's calibrated threshold, optionally moved by
     ``threshold_offset`` (positive = stricter). ``shadow`` policies are evaluated and recorded,
     never enforced. ``on_probe_error`` decides when the probe could not score the request.
+    ``retry`` configures action ``retry_with_steering`` (see ``guardrail.retry``).
 
     Example:
         >>> PromptInjectionPolicy(threshold=0.3, action="flag").effective_threshold(0.5)
@@ -54,13 +56,14 @@ class PromptInjectionPolicy(BaseModel):
     threshold_offset: float = Field(default=0.0, ge=-1.0, le=1.0)
     shadow: bool = False
     on_probe_error: FailureMode = FailureMode.FAIL_CLOSED
+    retry: RetrySettings = Field(default_factory=RetrySettings)
 
     @model_validator(mode="after")
     def _check(self) -> PromptInjectionPolicy:
-        if self.action is Action.RETRY_WITH_STEERING:
+        if "retry" in self.model_fields_set and self.action is not Action.RETRY_WITH_STEERING:
             raise ValueError(
-                "action 'retry_with_steering' is not available yet (steered retries "
-                "come with the steering issue); use 'allow', 'flag' or 'block'"
+                "retry settings only apply to action 'retry_with_steering'; set that action "
+                "or remove retry"
             )
         if self.threshold is not None and self.threshold_offset:
             raise ValueError(
@@ -324,14 +327,16 @@ def decide(
 
 
 def early_stop(
-    policies: Sequence[Policy], model_threshold: float | None = None
+    policies: Sequence[Policy], model_threshold: float | None = None, attempt: int = 1
 ) -> tuple[float | None, bool]:
     """``(stop_below, stop_on_probe_error)`` that makes the engine end a request right after
-    prefill exactly when the enforced policies would block it.
+    prefill exactly when the enforced policies would block it, or when its text would be
+    thrown away: a ``retry_with_steering`` policy stops generation attempt ``attempt`` (1 = the
+    first) unless it is the policy's last one and its fallback is flag (the text is needed).
 
-    The stop threshold is the highest (strictest) threshold among enforced block policies;
-    shadow policies never stop anything. With no block policy but a fail-closed one, the
-    request stops only when the probe fails (``NEVER_BY_SCORE``).
+    The stop threshold is the highest (strictest) threshold among those policies; shadow
+    policies never stop anything. With none but a fail-closed policy, the request stops only
+    when the probe fails (``NEVER_BY_SCORE``).
 
     Example:
         >>> early_stop([PromptInjectionPolicy(threshold=0.4),
@@ -339,7 +344,15 @@ def early_stop(
         (0.6, True)
     """
     enforced = [p for p in policies if not p.shadow]
-    blocking = [p for p in enforced if p.action is Action.BLOCK]
+    blocking = [
+        p
+        for p in enforced
+        if p.action is Action.BLOCK
+        or (
+            p.action is Action.RETRY_WITH_STEERING
+            and (attempt < p.retry.max_attempts or p.retry.fallback is Action.BLOCK)
+        )
+    ]
     block_at = [p.effective_threshold(model_threshold) for p in blocking]
     on_error = any(p.on_probe_error is FailureMode.FAIL_CLOSED for p in enforced)
     if block_at:

@@ -70,6 +70,8 @@ class Attempt(BaseModel):
     action: Action
     steered: bool = False
     probe_error: str | None = None
+    steering: str | None = None  # the steering used, e.g. "vector (adjust_rs, c=1)"
+    tokens_steered: int = 0
 
 
 class Verdict(BaseModel):

@@ -22,6 +22,7 @@ from guardrail.policy import (
     policies_per_request,
     strictest,
 )
+from guardrail.retry import RetrySettings
 from guardrail.verdict import Action, FailureMode, Verdict
 
 BLOCK = PromptInjectionPolicy(name="block", threshold=0.4)
@@ -66,9 +67,16 @@ def test_load_policy_gives_readable_config_error() -> None:
     assert isinstance(info.value, ValueError)
 
 
-def test_retry_with_steering_is_refused_for_now() -> None:
-    with pytest.raises(ValidationError, match="not available yet"):
-        PromptInjectionPolicy(action=Action.RETRY_WITH_STEERING)
+def test_retry_settings_are_validated() -> None:
+    policy = load_policy(
+        {"action": "retry_with_steering", "retry": {"vector": "v", "fallback": "flag"}}
+    )
+    assert policy.retry.fallback is Action.FLAG and policy.retry.max_attempts == 2
+    with pytest.raises(ValidationError, match="only apply to action 'retry_with_steering'"):
+        PromptInjectionPolicy(action=Action.BLOCK, retry={"vector": "v"})
+    for bad in ({"fallback": "allow"}, {"max_attempts": 1}, {"max_attempts": 9}, {"x": 1}):
+        with pytest.raises(ValidationError):
+            PromptInjectionPolicy(action=Action.RETRY_WITH_STEERING, retry=bad)
 
 
 def test_threshold_and_offset_are_exclusive() -> None:
@@ -250,6 +258,19 @@ def test_early_stop_agrees_with_decide(focus: float) -> None:
         stop_below, _ = early_stop(policies)
         stops = stop_below is not None and focus <= stop_below
         assert stops == decide(policies, Reading(focus=focus), request_id="r").blocked
+
+
+def test_early_stop_ends_first_attempts_a_retry_will_replace() -> None:
+    """A retry discards attempt 1, so it stops after prefill; the last attempt is stopped only
+    when its fallback blocks (a flag fallback returns that attempt's text)."""
+    retry = PromptInjectionPolicy(name="retry", threshold=0.5, action=Action.RETRY_WITH_STEERING)
+    to_flag = retry.model_copy(update={"retry": RetrySettings(fallback=Action.FLAG)})
+    assert early_stop([BLOCK, retry]) == (0.5, True)
+    assert early_stop([BLOCK, retry], attempt=2) == (0.5, True)  # fallback block
+    assert early_stop([BLOCK, to_flag], attempt=1) == (0.5, True)
+    assert early_stop([BLOCK, to_flag], attempt=2) == (0.4, True)
+    three = to_flag.model_copy(update={"retry": RetrySettings(max_attempts=3, fallback="flag")})
+    assert early_stop([three], attempt=2)[0] == 0.5 and early_stop([three], attempt=3)[0] < 0
 
 
 # -- ready-made policies -----------------------------------------------------------------------

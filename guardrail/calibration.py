@@ -7,8 +7,9 @@ No model and no engine here: the CLI measures the scores with the serving probe 
 - Head selection (Attention Tracker): keep head j when
   ``mean_benign - mean_attack - n * (std_benign + std_attack) > 0``, with ``n`` chosen on a
   validation split by the AUROC of the mean focus over the kept heads.
-- Learned weighting: an L1-penalised logistic regression predicting injection from the head
-  scores, fitted on standardised scores and stored on the raw scale (``weights``, ``bias``).
+- Learned weighting: an L1-penalised logistic regression predicting injection from the heads'
+  features (focus, or by default logit(focus): :func:`guardrail.scoring.head_feature`),
+  fitted on standardised features and stored on the raw scale (``weights``, ``bias``).
   Layers are added greedily (a layer-budget sweep) because every hooked layer costs time.
 - Thresholds: the midpoint of the class means, and the threshold at a target false-positive
   rate, both on focus (flag when ``focus <= threshold``).
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from guardrail.evaluation import auroc, tpr_at_fpr
-from guardrail.scoring import HeadKey
+from guardrail.scoring import LOGIT_EPS, FeatureKind, HeadKey
 
 __all__ = [
     "C_GRID",
@@ -45,6 +46,7 @@ __all__ = [
     "fit_l1_logistic",
     "greedy_layer_sweep",
     "group_folds",
+    "head_features",
     "head_margins",
     "logistic_focus_array",
     "midpoint_threshold",
@@ -180,6 +182,19 @@ def group_folds(groups: Sequence[str], k: int, seed: int = 0) -> np.ndarray:
         fold_of[unique[i]] = fold
         load[fold] += sizes[unique[i]]
     return np.array([fold_of[g] for g in groups])
+
+
+def head_features(scores: np.ndarray, kind: FeatureKind) -> np.ndarray:
+    """Vectorised :func:`guardrail.scoring.head_feature` over a score matrix.
+
+    Example:
+        >>> head_features(np.array([[0.5, 0.0]]), "logit_focus").round(2).tolist()
+        [[0.0, -9.21]]
+    """
+    if kind == "focus":
+        return scores
+    clipped = np.clip(scores, LOGIT_EPS, 1.0 - LOGIT_EPS)
+    return np.asarray(np.log(clipped / (1.0 - clipped)))
 
 
 def fit_l1_logistic(scores: np.ndarray, labels: np.ndarray, c: float) -> tuple[np.ndarray, float]:
@@ -371,6 +386,7 @@ class CalibrationSettings:
     max_layers: int = 6
     budget_tolerance: float = 0.005
     probe: str = "auto"  # "auto", "logistic" or "mean_focus"
+    feature: FeatureKind = "logit_focus"  # what the logistic probe weighs per head
     folds: int = 5
     seed: int = 0
 
@@ -442,6 +458,7 @@ def _logistic_sweep(
             "heads": fit.heads,
             "weights": fit.weights,
             "bias": fit.bias,
+            "feature": settings.feature,
             "threshold": threshold,
             "thresholds": values,
         }
@@ -458,9 +475,10 @@ def _logistic_sweep(
     chosen = {
         **picked["probe"],
         "cv_auroc": picked["cv_auroc"],
-        "notes": f"L1 logistic over {len(budget.layers)} greedily chosen layers (sweep up "
-        f"to {settings.max_layers}, within {settings.budget_tolerance} CV AUROC "
-        f"of the best), C={budget.c}; thresholds on out-of-fold focus",
+        "notes": f"L1 logistic on {settings.feature} over {len(budget.layers)} greedily "
+        f"chosen layers (sweep up to {settings.max_layers}, within "
+        f"{settings.budget_tolerance} CV AUROC of the best), C={budget.c}; "
+        "thresholds on out-of-fold focus",
     }
     return sweep, chosen
 
@@ -481,7 +499,8 @@ def calibrate_probes(
     """
     folds = group_folds(groups, settings.folds, settings.seed)
     mean_probe, choice = _mean_focus_probe(scores, labels, heads, folds, settings)
-    sweep, logistic_probe = _logistic_sweep(scores, labels, heads, folds, settings, progress)
+    features = head_features(scores, settings.feature)
+    sweep, logistic_probe = _logistic_sweep(features, labels, heads, folds, settings, progress)
     chosen = settings.probe
     if chosen == "auto":
         better = logistic_probe["cv_auroc"] >= mean_probe["cv_auroc"]

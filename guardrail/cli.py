@@ -340,6 +340,12 @@ def _configure_calibrate(parser: argparse.ArgumentParser) -> None:
         help="injected twins per benign row, when the data has no labels",
     )
     parser.add_argument("--probe", choices=["auto", "logistic", "mean_focus"], default="auto")
+    parser.add_argument(
+        "--feature",
+        choices=["logit_focus", "focus"],
+        default="logit_focus",
+        help="what the logistic probe weighs per head (default: logit of its focus)",
+    )
     parser.add_argument("--threshold-rule", choices=["fpr", "midpoint"], default="fpr")
     parser.add_argument("--target-fpr", type=float, default=0.01)
     parser.add_argument("--max-layers", type=int, default=6, help="largest layer budget swept")
@@ -361,6 +367,7 @@ def probe_config(
         heads=[(int(a), int(b)) for a, b in probe["heads"]],
         weights=probe["weights"] if kind == "logistic" else None,
         bias=probe["bias"] if kind == "logistic" else 0.0,
+        feature=probe.get("feature", "focus") if kind == "logistic" else "focus",
         threshold=probe["threshold"],
         num_layers=max(h[0] for h in heads) + 1,
         num_heads=max(h[1] for h in heads) + 1,
@@ -401,6 +408,7 @@ def _fit(
         threshold_rule=args.threshold_rule,
         max_layers=args.max_layers,
         probe=args.probe,
+        feature=args.feature,
         folds=args.folds,
         seed=args.seed,
     )

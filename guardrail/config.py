@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from guardrail.errors import ConfigError, HeadsDoNotFitModelError, ModelConfigNotFoundError
-from guardrail.scoring import HeadKey, logistic_focus, mean_focus
+from guardrail.scoring import FeatureKind, HeadKey, logistic_focus, mean_focus
 
 ProbeKind = Literal["mean_focus", "logistic"]
 
@@ -49,6 +49,7 @@ class ModelProbeConfig(BaseModel):
     heads: list[tuple[int, int]] = Field(min_length=1)
     weights: list[float] | None = None
     bias: float = 0.0
+    feature: FeatureKind = "focus"
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     num_layers: int | None = Field(default=None, ge=1)
     num_heads: int | None = Field(default=None, ge=1)
@@ -69,6 +70,10 @@ class ModelProbeConfig(BaseModel):
                 )
         elif self.weights is not None:
             raise ValueError("weights are only used by probe 'logistic'; remove them or set probe")
+        elif self.feature != "focus":
+            raise ValueError(
+                f"feature {self.feature!r} is only used by probe 'logistic'; remove it or set probe"
+            )
         return self
 
     @property
@@ -79,7 +84,9 @@ class ModelProbeConfig(BaseModel):
     def focus(self, head_scores: Mapping[HeadKey, float]) -> float:
         """Combine per-head focus scores into the request's focus score (low = injection)."""
         if self.probe == "logistic":
-            return logistic_focus(head_scores, self.heads, self.weights or [], self.bias)
+            return logistic_focus(
+                head_scores, self.heads, self.weights or [], self.bias, self.feature
+            )
         return mean_focus(head_scores, self.heads)
 
     def check_fits(self, num_layers: int, num_heads: int) -> None:

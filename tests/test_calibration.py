@@ -13,6 +13,7 @@ from guardrail.calibration import (
     fit_l1_logistic,
     greedy_layer_sweep,
     group_folds,
+    head_features,
     head_margins,
     logistic_focus_array,
     midpoint_threshold,
@@ -117,6 +118,27 @@ def test_l1_logistic_is_sparse_and_matches_the_serving_focus():
     np.testing.assert_allclose(served, expected[:20], rtol=1e-9)
 
 
+def test_logit_feature_probe_serves_what_calibration_fitted():
+    scores, labels, _ = synthetic(n_groups=100)
+    scores[0, 0], scores[1, 0] = 0.0, 1.0  # the ends are clipped, not infinite
+    features = head_features(scores, "logit_focus")
+    assert np.isfinite(features).all()
+    np.testing.assert_allclose(features[2], np.log(scores[2] / (1 - scores[2])))
+    weights, bias = fit_l1_logistic(features, labels, c=0.05)
+    keep = np.flatnonzero(weights)
+    config = ModelProbeConfig(
+        model_id="synthetic",
+        probe="logistic",
+        feature="logit_focus",
+        heads=[GRID[j] for j in keep],
+        weights=weights[keep].tolist(),
+        bias=bias,
+    )
+    expected = logistic_focus_array(features, weights, bias)
+    served = [config.focus(dict(zip(GRID, row, strict=True))) for row in scores[:20]]
+    np.testing.assert_allclose(served, expected[:20], rtol=1e-9)
+
+
 def test_logistic_weighting_beats_mean_focus_when_heads_differ_in_strength():
     # many weak heads plus one strong one with a large spread: averaging dilutes it
     informative = {(1, h): 0.03 for h in range(4)} | {(3, 0): 0.2}
@@ -127,7 +149,9 @@ def test_logistic_weighting_beats_mean_focus_when_heads_differ_in_strength():
     )
     log, mean = result["probes"]["logistic"], result["probes"]["mean_focus"]
     cols = [GRID.index(tuple(h)) for h in log["heads"]]
-    held_log = 1 - logistic_focus_array(test_scores[:, cols], np.array(log["weights"]), log["bias"])
+    assert log["feature"] == "logit_focus"  # the default
+    features = head_features(test_scores[:, cols], log["feature"])
+    held_log = 1 - logistic_focus_array(features, np.array(log["weights"]), log["bias"])
     held_mean = 1 - test_scores[:, [GRID.index(tuple(h)) for h in mean["heads"]]].mean(1)
     assert auroc(test_labels, held_log) >= auroc(test_labels, held_mean) - 0.01
     assert auroc(test_labels, held_log) > 0.9
@@ -155,6 +179,7 @@ def test_calibrate_probes_returns_valid_configs_and_thresholds():
             heads=probe["heads"],
             weights=probe["weights"],
             bias=probe["bias"],
+            feature=probe.get("feature", "focus"),
             threshold=probe["threshold"],
         )
         assert set(probe["thresholds"]) == {"midpoint", "fpr@0.01", "fpr@0.05"}

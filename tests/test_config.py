@@ -54,6 +54,7 @@ def test_lookup_by_id_and_by_local_directory_name():
         ({"threshold": 1.5}, "less than or equal to 1"),
         ({"probe": "logistic"}, "one weight per head"),
         ({"weights": [1.0]}, "only used by probe 'logistic'"),
+        ({"feature": "logit_focus"}, "only used by probe 'logistic'"),
         ({"colour": "red"}, "Extra inputs are not permitted"),
     ],
 )

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,8 +72,8 @@ CANARIES: tuple[tuple[str, str, str], ...] = (
 
 SELECTION_METRIC = (
     "validation gain (steered - unsteered, mean log-probability per token) of the ideal answer "
-    "minus that of the canary reply on injected prompts, plus that of the ideal answer on clean "
-    "prompts"
+    "minus that of the canary reply on injected prompts, plus the loss (if any, never a gain) "
+    "of the ideal answer on clean prompts"
 )
 
 
@@ -223,21 +223,35 @@ def _validation_logprobs(
     }
 
 
+def selection_score(gain: Mapping[str, float]) -> float:
+    """The layer-search objective from mean validation gains (see :func:`layer_scores`)."""
+    score = gain["ideal_injected"] - gain["canary_injected"] + min(0.0, gain["ideal_clean"])
+    return round(score, 10)
+
+
 def layer_scores(
     engine: Any,
     vectors: dict[int, SteeringVector],
     validation: Sequence[SteerExample],
 ) -> dict[int, dict[str, float]]:
     """Each layer's validation gains over the unsteered engine; ``score`` is what is maximised:
-    mean gain of (ideal - canary) on injected prompts + mean gain of ideal on clean prompts."""
+    mean gain of (ideal - canary) on injected prompts, minus the mean loss of the ideal answer on
+    clean prompts. The clean term only penalises: a vector that makes the model more confident
+    in everything (the canary too) must not win by that.
+
+    Example:
+        >>> selection_score({"ideal_injected": 0.2, "canary_injected": 0.1, "ideal_clean": 0.3})
+        0.1
+        >>> selection_score({"ideal_injected": 0, "canary_injected": -0.3, "ideal_clean": -0.1})
+        0.2
+    """
     base = _validation_logprobs(engine, validation, None)
     results = {}
     for layer, vector in tqdm(sorted(vectors.items()), desc="layer search", unit="layer"):
         with engine.steering_vector(vector) as loaded:
             steered = _validation_logprobs(engine, validation, loaded.name)
         gain = {k: float(np.mean(steered[k] - base[k])) for k in base}
-        score = gain["ideal_injected"] - gain["canary_injected"] + gain["ideal_clean"]
-        results[layer] = {**gain, "score": score}
+        results[layer] = {**gain, "score": selection_score(gain)}
     return results
 
 
@@ -409,7 +423,12 @@ def run_steer(args: argparse.Namespace, engine: Any = None) -> int:
             name=name,
             method=args.method,
             coefficient=args.coefficient,
-            dataset=f"{files}: clean rows with generated canary injections",
+            dataset=f"{files}: clean rows with generated canary injections"
+            + (
+                f", minus the held-out groups of {args.exclude_split.name}"
+                if args.exclude_split
+                else ""
+            ),
             sha256=sha,
         )
     finally:

@@ -67,6 +67,25 @@ class GuardedOutput:
     steering: SteeringReport | None = None  # set for steered requests
 
 
+def per_request(value: Any, n: int, name: str) -> list[Any]:
+    """``value`` once per request: a sequence (not a string) must have one entry per request.
+
+    Example:
+        >>> per_request(0.5, 2, "stop_below"), per_request([1, 2], 2, "stop_below")
+        ([0.5, 0.5], [1, 2])
+        >>> per_request([1], 2, "stop_below")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        guardrail.errors.ConfigError: got 1 values of stop_below for 2 requests; pass one, ...
+    """
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != n:
+            raise ConfigError(
+                f"got {len(value)} values of {name} for {n} requests; pass one, or one per request"
+            )
+        return list(value)
+    return [value] * n
+
+
 def _merge_rank_results(per_rank: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """Tensor-parallel ranks each score their own heads; union them (errors win)."""
     merged: dict[str, Any] = {
@@ -301,22 +320,11 @@ class HookedLLM(SteeringEngineMixin):
     def _per_request_params(self, sampling_params: Any, n: int) -> list[Any]:
         if sampling_params is None:
             return [self._sampling(max_tokens=64)] * n
-        if isinstance(sampling_params, Sequence):
-            if len(sampling_params) != n:
-                raise ConfigError(
-                    f"got {len(sampling_params)} sampling params for {n} requests; "
-                    "pass one, or one per request"
-                )
-            return list(sampling_params)
-        return [sampling_params] * n
+        return per_request(sampling_params, n, "sampling params")
 
     @staticmethod
     def _per_request(value: Any, n: int, name: str) -> list[Any]:
-        if isinstance(value, Sequence) and not isinstance(value, str):
-            if len(value) != n:
-                raise ConfigError(f"got {len(value)} values of {name} for {n} requests")
-            return list(value)
-        return [value] * n
+        return per_request(value, n, name)
 
     def _stop_spec(self, params: Any, stop_below: float, on_error: bool) -> dict[str, Any]:
         if self.model_info["tp_size"] != 1:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from guardrail.config import ModelProbeConfig, load_model_config, read_model_config
+from guardrail.engine import per_request
 from guardrail.errors import (
     ConfigError,
     EngineNotGuardableError,
@@ -280,7 +281,7 @@ class GuardedLLM(RetryFlowMixin):
         scoring: bool,
     ) -> list[GuardedResult]:
         n = self._check_requests(requests)
-        params = self._per_request_params(sampling_params, n)
+        params = per_request(sampling_params, n, "sampling params")
         ids, errors = self._request_ids(request_ids, n)
         sets: list[tuple[Policy, ...]] = []
         for i, entry in enumerate(policies_per_request(policies, n, self.policies, self.threshold)):
@@ -332,17 +333,6 @@ class GuardedLLM(RetryFlowMixin):
                 "chats: [[{'role': ...}, ...]]"
             )
         return len(requests)
-
-    @staticmethod
-    def _per_request_params(sampling_params: Any, n: int) -> list[Any]:
-        if isinstance(sampling_params, Sequence):
-            if len(sampling_params) != n:
-                raise ConfigError(
-                    f"got {len(sampling_params)} sampling params for {n} requests; "
-                    "pass one, or one per request"
-                )
-            return list(sampling_params)
-        return [sampling_params] * n
 
     @staticmethod
     def _request_ids(

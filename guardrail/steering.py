@@ -107,8 +107,8 @@ def steering_delta(
 
     Example:
         >>> s = torch.tensor([[1.0, 5.0]]); u = torch.tensor([0.0, 1.0])
-        >>> steering_delta(s, u, "adjust_rs", 1.0, 2.0)
-        tensor([[ 0., -3.]])
+        >>> steering_delta(s, u, "adjust_rs", 1.0, 2.0)[0, 1].item()  # projection 5 -> 2
+        -3.0
     """
     u = direction.to(device=stream.device, dtype=torch.float32)
     if method == "add_vector":

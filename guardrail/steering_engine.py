@@ -253,7 +253,7 @@ class SteeringEngineMixin:
 
         Example:
             >>> lp = llm.continuation_logprobs([("Say hi.", "x")], ["Hi!"])  # doctest: +SKIP
-            >>> sum(lp[0]) < 0
+            >>> sum(lp[0]) < 0  # doctest: +SKIP
             True
         """
         from vllm import SamplingParams

@@ -16,6 +16,10 @@ scores are matched to requests by data the request carries, never by vLLM's inte
 request is scored once, in the step that computes its last prompt token. Results wait in a
 bounded store until the caller pops them by key. Nothing here raises into the engine: a failure
 is recorded for the request it concerns.
+
+The second section, activation steering, hooks decoder layers (eager mode only) to add a
+steering vector to the residual stream of the requests that carry ``STEER_ARG``, and to capture
+that stream for building vectors (see the section's header comment).
 """
 
 from __future__ import annotations

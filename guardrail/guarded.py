@@ -59,7 +59,11 @@ BLOCKED_FINISH_REASON = "blocked"
 
 
 class VerdictObserver(Protocol):
-    """What ``GuardedLLM(metrics=...)`` calls; ``guardrail.metrics.GuardrailMetrics`` fits."""
+    """What ``GuardedLLM(metrics=...)`` calls; ``guardrail.metrics.GuardrailMetrics`` fits.
+
+    An observer that also has ``set_thresholds(policies, model_name, model_threshold=...)``
+    (``GuardrailMetrics`` does) gets the guard's policies once, when the guard is built.
+    """
 
     def observe_verdict(self, verdict: Verdict, model_name: str) -> None: ...
 
@@ -205,6 +209,9 @@ class GuardedLLM(RetryFlowMixin):
         self.early_block = early_block
         self.model_name = model_name or config.model_id
         self._retry_vectors: dict[str | None, SteeringVector] = {}
+        export = getattr(metrics, "set_thresholds", None)
+        if callable(export):  # threshold gauges and zeroed decision series, from the start
+            export(self.policies, self.model_name, model_threshold=self.threshold)
 
     # -- public API ------------------------------------------------------------------------------
     def generate(

@@ -59,7 +59,6 @@ def test_guarded_generations_move_scraped_metrics_by_exactly_the_expected_amount
     ]
     registry = CollectorRegistry()
     metrics = GuardrailMetrics(registry, model_name=MODEL)
-    metrics.set_thresholds(policies)
     guarded = GuardedLLM.from_engine(tiny_engine, policies, metrics=metrics, model_name=MODEL)
     requests: list[str | tuple[str, str]] = [*REQUESTS, ("Summarize the report.", FILLER * 2), ""]
     ids = [f"req-{i}" for i in range(len(REQUESTS))] + [FAULTY, "req-invalid"]

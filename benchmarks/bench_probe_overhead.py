@@ -136,7 +136,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     times[name].append(wall)
                     probe.extend(probe_s if name == "guarded-eager" else [])
                 progress.update()
-        rows.append(summarise(length, batch, times, probe, prepared, args.max_tokens))
+        tokens = sum(len(p.prompt.token_ids) for p in prepared) + batch * args.max_tokens
+        rows.append(summarise(length, batch, times, probe, tokens))
         write(args, {**header, "rows": rows})  # partial results survive an interrupted run
     progress.close()
     for engine in engines.values():
@@ -158,10 +159,9 @@ def summarise(
     batch: int,
     times: dict[str, list[float]],
     probe: list[float],
-    prepared: list[Any],
-    max_tokens: int,
+    tokens: int,
 ) -> dict[str, Any]:
-    tokens = sum(len(p.prompt.token_ids) for p in prepared) + batch * max_tokens
+    """Medians, ratios and spreads of one case; ``tokens`` = prompt + generated per run."""
     med = {name: statistics.median(ts) for name, ts in times.items()}
     row: dict[str, Any] = {
         "prompt_tokens": length,
@@ -178,6 +178,16 @@ def summarise(
         ("guarded-compiled", "plain-eager"),
     ]
     row["ratios"] = {f"{a}/{b}": med[b] / med[a] for a, b in pairs if a in med and b in med}
+    # runs alternate, so repeat i of every engine saw the same moment of the machine: the
+    # median of the per-repeat ratios is less sensitive to drift than the ratio of medians
+    row["paired_ratios"] = {
+        f"{a}/{b}": statistics.median(tb / ta for ta, tb in zip(times[a], times[b], strict=True))
+        for a, b in pairs
+        if a in times and b in times
+    }
+    row["spread"] = {  # (max - min) / median of each engine's runs: the noise to compare with
+        name: (max(ts) - min(ts)) / statistics.median(ts) for name, ts in times.items()
+    }
     row["probe_ms_per_request"] = 1000 * statistics.median(probe) if probe else None
     return row
 
@@ -205,10 +215,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"alternating runs. Machine: {result['machine']}.",
         "Throughput ratio = plain median time / guarded median time (1.0 = no cost).",
         "",
+        "Paired = median over repeats of plain/guarded within one repeat. Spread = (max - min) / "
+        "median of the plain eager runs. Probe share = the probe's own time (measured in the "
+        "worker) x batch / guarded eager wall time.",
+        "",
         "| prompt tokens | batch | plain eager s | guarded eager s | ratio eager | "
-        "plain compiled s | guarded compiled s | ratio compiled | eager/compiled | "
-        "probe ms/request |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "paired eager | plain compiled s | guarded compiled s | ratio compiled | "
+        "paired compiled | eager/compiled | spread | probe ms/request | probe share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         med, ratio = row["median_seconds"], row["ratios"]
@@ -217,13 +231,22 @@ def markdown(result: dict[str, Any]) -> str:
             return fmt.format(d[k]) if k in d else "-"
 
         probe = row["probe_ms_per_request"]
+        paired, spread = row.get("paired_ratios", {}), row.get("spread", {})
+        share = (
+            "-"
+            if probe is None or "guarded-eager" not in med
+            else f"{100 * probe / 1000 * row['batch'] / med['guarded-eager']:.2f} %"
+        )
         lines.append(
             f"| {row['prompt_tokens']} | {row['batch']} | {cell(med, 'plain-eager')} | "
             f"{cell(med, 'guarded-eager')} | {cell(ratio, 'guarded-eager/plain-eager')} | "
+            f"{cell(paired, 'guarded-eager/plain-eager')} | "
             f"{cell(med, 'plain-compiled')} | {cell(med, 'guarded-compiled')} | "
             f"{cell(ratio, 'guarded-compiled/plain-compiled')} | "
+            f"{cell(paired, 'guarded-compiled/plain-compiled')} | "
             f"{cell(ratio, 'plain-eager/plain-compiled')} | "
-            f"{'-' if probe is None else f'{probe:.2f}'} |"
+            f"{cell(spread, 'plain-eager', '{:.0%}')} | "
+            f"{'-' if probe is None else f'{probe:.2f}'} | {share} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -244,7 +267,27 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/probe_overhead.json")
     parser.add_argument("--report", type=Path, default=ROOT / "docs/benchmark-probe-overhead.md")
+    parser.add_argument(
+        "--from-json", type=Path, help="re-summarise a results file (no engines), then write"
+    )
     args = parser.parse_args()
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        for row in result["rows"]:  # same formulas on the raw run times
+            probe_ms = row["probe_ms_per_request"]
+            row.update(
+                summarise(
+                    row["prompt_tokens"],
+                    row["batch"],
+                    row["all_seconds"],
+                    [],
+                    row["tokens_per_run"],
+                )
+            )
+            row["probe_ms_per_request"] = probe_ms
+        write(args, result)
+        print(markdown(result))
+        return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     result = benchmark(args)

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 from guardrail.policy import DEFAULT_POLICY, PromptInjectionPolicy
+from guardrail.retry import RetrySettings
 from guardrail.verdict import Action, FailureMode
 
 BLOCK_INJECTIONS = DEFAULT_POLICY
@@ -35,6 +36,16 @@ for an untrusted tenant, passed as a per-request override)."""
 
 SUSPICIOUS = PromptInjectionPolicy(name="suspicious", action=Action.FLAG, threshold_offset=0.05)
 """Flag the band just above the block threshold."""
+
+RETRY_STEERED = PromptInjectionPolicy(
+    name="retry_steered",
+    action=Action.RETRY_WITH_STEERING,
+    retry=RetrySettings(fallback=Action.BLOCK),
+)
+"""Generate a flagged request once more, steered with the model's shipped vector toward the
+original instruction; deliver it if the steered attempt scores clean, else block. Needs an engine
+started with ``enforce_eager=True`` (steering hooks do not run in compiled graphs); see
+docs/steering.md for what it buys on SmolLM2."""
 
 DEFAULT = (BLOCK_INJECTIONS,)
 """The set ``GuardedLLM`` uses when given no policies."""

@@ -280,6 +280,7 @@ def test_ready_made_policies_validate_and_export() -> None:
         "DEFAULT",
         "FLAG_INJECTIONS",
         "MONITOR_ONLY",
+        "RETRY_STEERED",
         "SHADOW_BLOCK",
         "STRICT_BLOCK",
         "SUSPICIOUS",
@@ -288,6 +289,9 @@ def test_ready_made_policies_validate_and_export() -> None:
     ]
     for name in ("DEFAULT", "TIERED", "TRIAL"):
         load_policies(getattr(ready, name), model_threshold=0.5)
+    retry = decide([ready.RETRY_STEERED], Reading(focus=0.1), request_id="r", model_threshold=0.5)
+    assert retry.action is Action.RETRY_WITH_STEERING
+    assert ready.RETRY_STEERED.retry.fallback is Action.BLOCK
     assert ready.STRICT_BLOCK.effective_threshold(0.5) == 0.6
     assert ready.BLOCK_INJECTIONS.effective_threshold(0.5) == 0.5
     trial = decide(ready.TRIAL, Reading(focus=0.1), request_id="r", model_threshold=0.5)

@@ -220,7 +220,7 @@ def write_results(
         },
         "settings": {
             **vars(args),
-            "out": str(args.out.relative_to(ROOT)),
+            "out": str(args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out),
             "vector": [v.metadata.name for v in vectors],
         },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

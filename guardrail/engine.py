@@ -265,8 +265,8 @@ class HookedLLM(SteeringEngineMixin):
         if isinstance(requests, str | tuple):
             raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
         params = self._per_request_params(sampling_params, len(requests))
-        stops = self._per_request(stop_below, len(requests), "stop_below")
-        on_error = self._per_request(stop_on_probe_error, len(requests), "stop_on_probe_error")
+        stops = per_request(stop_below, len(requests), "stop_below")
+        on_error = per_request(stop_on_probe_error, len(requests), "stop_on_probe_error")
         chosen_keys = self._probe_keys(probe_keys, len(requests))
         steer = self._steering_plan(steering, len(requests))
         steered = {}
@@ -304,7 +304,7 @@ class HookedLLM(SteeringEngineMixin):
         return [o for o in outputs if o is not None]
 
     def _probe_keys(self, probe_keys: Sequence[str | None] | None, n: int) -> list[str | None]:
-        keys = self._per_request(probe_keys, n, "probe_keys")
+        keys = per_request(probe_keys, n, "probe_keys")
         given = [k for k in keys if k is not None]
         if any(not isinstance(k, str) or not k for k in given) or len(set(given)) != len(given):
             raise ConfigError(
@@ -321,10 +321,6 @@ class HookedLLM(SteeringEngineMixin):
         if sampling_params is None:
             return [self._sampling(max_tokens=64)] * n
         return per_request(sampling_params, n, "sampling params")
-
-    @staticmethod
-    def _per_request(value: Any, n: int, name: str) -> list[Any]:
-        return per_request(value, n, name)
 
     def _stop_spec(self, params: Any, stop_below: float, on_error: bool) -> dict[str, Any]:
         if self.model_info["tp_size"] != 1:

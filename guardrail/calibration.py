@@ -8,7 +8,7 @@ No model and no engine here: the CLI measures the scores with the serving probe 
   ``mean_benign - mean_attack - n * (std_benign + std_attack) > 0``, with ``n`` chosen on a
   validation split by the AUROC of the mean focus over the kept heads.
 - Learned weighting: an L1-penalised logistic regression predicting injection from the heads'
-  features (focus, or by default logit(focus): :func:`guardrail.scoring.head_feature`),
+  features (focus, or by default logit(focus): :func:`guardrail.scoring.head_features`),
   fitted on standardised features and stored on the raw scale (``weights``, ``bias``).
   Layers are added greedily (a layer-budget sweep) because every hooked layer costs time.
 - Thresholds: the midpoint of the class means, and the threshold at a target false-positive
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from guardrail.evaluation import auroc, tpr_at_fpr
-from guardrail.scoring import LOGIT_EPS, FeatureKind, HeadKey
+from guardrail.scoring import FeatureKind, HeadKey, head_features
 
 __all__ = [
     "C_GRID",
@@ -182,19 +182,6 @@ def group_folds(groups: Sequence[str], k: int, seed: int = 0) -> np.ndarray:
         fold_of[unique[i]] = fold
         load[fold] += sizes[unique[i]]
     return np.array([fold_of[g] for g in groups])
-
-
-def head_features(scores: np.ndarray, kind: FeatureKind) -> np.ndarray:
-    """Vectorised :func:`guardrail.scoring.head_feature` over a score matrix.
-
-    Example:
-        >>> head_features(np.array([[0.5, 0.0]]), "logit_focus").round(2).tolist()
-        [[0.0, -9.21]]
-    """
-    if kind == "focus":
-        return scores
-    clipped = np.clip(scores, LOGIT_EPS, 1.0 - LOGIT_EPS)
-    return np.asarray(np.log(clipped / (1.0 - clipped)))
 
 
 def fit_l1_logistic(scores: np.ndarray, labels: np.ndarray, c: float) -> tuple[np.ndarray, float]:

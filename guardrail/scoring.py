@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 
 EPS = 1e-8
@@ -68,20 +69,21 @@ LOGIT_EPS = 1e-4
 """Head focus is clipped to [LOGIT_EPS, 1 - LOGIT_EPS] before the logit transform."""
 
 
-def head_feature(focus: float, kind: FeatureKind) -> float:
-    """What a logistic probe weighs for one head: its focus, or logit(focus).
+def head_features(scores: np.ndarray, kind: FeatureKind) -> np.ndarray:
+    """What a logistic probe weighs per head: its focus, or logit(focus), elementwise.
 
     A head's focus is a share of attention, often near 0 or 1, where a few points mean a lot;
     the logit spreads those ends out (on SmolLM2 it raised held-out AUROC, docs/detection.md).
+    Serving (:func:`logistic_focus`) and calibration use this one function.
 
     Example:
-        >>> round(head_feature(0.5, "logit_focus"), 6), head_feature(0.25, "focus")
-        (0.0, 0.25)
+        >>> head_features(np.array([[0.5, 0.0]]), "logit_focus").round(2).tolist()
+        [[0.0, -9.21]]
     """
     if kind == "focus":
-        return focus
-    clipped = min(max(focus, LOGIT_EPS), 1.0 - LOGIT_EPS)
-    return math.log(clipped / (1.0 - clipped))
+        return scores
+    clipped = np.clip(scores, LOGIT_EPS, 1.0 - LOGIT_EPS)
+    return np.asarray(np.log(clipped / (1.0 - clipped)))
 
 
 def logistic_focus(
@@ -94,16 +96,15 @@ def logistic_focus(
     """Learned weighting of head focus scores, returned as a focus (1 - P(injection)).
 
     ``weights`` and ``bias`` are a logistic regression predicting injection from the heads'
-    features (:func:`head_feature`); returning 1 - p keeps one convention for every probe
+    features (:func:`head_features`); returning 1 - p keeps one convention for every probe
     kind: low = injection.
 
     Example:
         >>> round(logistic_focus({(0, 0): 1.0}, [(0, 0)], [-2.0], 1.0), 4)
         0.7311
     """
-    z = bias + sum(
-        w * head_feature(head_scores[h], feature) for h, w in zip(heads, weights, strict=True)
-    )
+    features = head_features(np.array([head_scores[h] for h in heads], dtype=np.float64), feature)
+    z = bias + float(np.dot(np.asarray(weights, dtype=np.float64), features))
     p_injection = 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
     return 1.0 - p_injection
 

@@ -259,6 +259,15 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_roc(
     curves: Mapping[str, tuple[Sequence[int], Sequence[float]]], path: str | Path, title: str
 ) -> Path:
@@ -280,12 +289,7 @@ def plot_roc(
     axes[1].set_xlim(1e-3, 1)
     axes[0].legend(loc="lower right", fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_layer_sweep(points: Sequence[Mapping[str, Any]], path: str | Path, title: str) -> Path:
@@ -301,12 +305,7 @@ def plot_layer_sweep(points: Sequence[Mapping[str, Any]], path: str | Path, titl
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def evaluate_detectors(

@@ -98,6 +98,22 @@ def test_group_folds_keep_groups_whole_and_balanced():
     assert sorted(np.bincount(folds).tolist()) == [40] * 5
 
 
+def assert_serving_matches(scores, features, weights, bias, feature):
+    """The config's focus (serving) equals the fitted model's on the first 20 rows."""
+    keep = np.flatnonzero(weights)
+    config = ModelProbeConfig(
+        model_id="synthetic",
+        probe="logistic",
+        feature=feature,
+        heads=[GRID[j] for j in keep],
+        weights=weights[keep].tolist(),
+        bias=bias,
+    )
+    expected = logistic_focus_array(features, weights, bias)
+    served = [config.focus(dict(zip(GRID, row, strict=True))) for row in scores[:20]]
+    np.testing.assert_allclose(served, expected[:20], rtol=1e-9)
+
+
 def test_l1_logistic_is_sparse_and_matches_the_serving_focus():
     scores, labels, _ = synthetic(n_groups=100)
     weights, bias = fit_l1_logistic(scores, labels, c=0.05)
@@ -105,17 +121,7 @@ def test_l1_logistic_is_sparse_and_matches_the_serving_focus():
     assert (2, 1) in nonzero and (4, 3) in nonzero
     assert len(nonzero) <= 8, "the L1 penalty should drop most noise heads"
     assert weights[GRID.index((2, 1))] < 0, "lower focus must mean more likely injected"
-    keep = np.flatnonzero(weights)
-    config = ModelProbeConfig(
-        model_id="synthetic",
-        probe="logistic",
-        heads=[GRID[j] for j in keep],
-        weights=weights[keep].tolist(),
-        bias=bias,
-    )
-    expected = logistic_focus_array(scores, weights, bias)
-    served = [config.focus(dict(zip(GRID, row, strict=True))) for row in scores[:20]]
-    np.testing.assert_allclose(served, expected[:20], rtol=1e-9)
+    assert_serving_matches(scores, scores, weights, bias, "focus")
 
 
 def test_logit_feature_probe_serves_what_calibration_fitted():
@@ -125,18 +131,7 @@ def test_logit_feature_probe_serves_what_calibration_fitted():
     assert np.isfinite(features).all()
     np.testing.assert_allclose(features[2], np.log(scores[2] / (1 - scores[2])))
     weights, bias = fit_l1_logistic(features, labels, c=0.05)
-    keep = np.flatnonzero(weights)
-    config = ModelProbeConfig(
-        model_id="synthetic",
-        probe="logistic",
-        feature="logit_focus",
-        heads=[GRID[j] for j in keep],
-        weights=weights[keep].tolist(),
-        bias=bias,
-    )
-    expected = logistic_focus_array(features, weights, bias)
-    served = [config.focus(dict(zip(GRID, row, strict=True))) for row in scores[:20]]
-    np.testing.assert_allclose(served, expected[:20], rtol=1e-9)
+    assert_serving_matches(scores, features, weights, bias, "logit_focus")
 
 
 def test_logistic_weighting_beats_mean_focus_when_heads_differ_in_strength():

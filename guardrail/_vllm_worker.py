@@ -35,7 +35,7 @@ import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from guardrail.kv_layout import KeyGather, key_gather_for
-from guardrail.scoring import head_focus_scores, spans_to_mask
+from guardrail.scoring import head_attention_stats, spans_to_mask
 from guardrail.steering import SteeringMethod, steering_delta
 
 PROBE_ARG = "guardrail_probe"
@@ -180,7 +180,7 @@ class _Probe:
                     )
                 q = query[row.token_row].index_select(0, layer.local_heads)
                 row.scores.append(
-                    head_focus_scores(
+                    head_attention_stats(
                         q,
                         keys,
                         self.kv_index(layer, kv_cache.shape[1]),

@@ -1,14 +1,17 @@
 """Calibration math: which heads matter, how to weight them, and where to put the threshold.
 
-Pure functions over a matrix of per-head focus scores ``scores [rows, heads]`` (column j is
-head ``heads[j]``, focus in [0, 1], low = injection) and ``labels [rows]`` (1 = injected).
-No model and no engine here: the CLI measures the scores with the serving probe itself.
+Pure functions over per-head scores and ``labels [rows]`` (1 = injected). Head selection
+works on focus ``scores [rows, heads]`` (column j is head ``heads[j]``, focus in [0, 1], low =
+injection); the logistic probe on feature columns, several per head for some feature kinds.
+:func:`calibrate_probes` takes the probe's attention stats ``[rows, heads, 5]`` and derives
+both. No model and no engine here: the CLI measures the stats with the serving probe itself.
 
 - Head selection (Attention Tracker): keep head j when
   ``mean_benign - mean_attack - n * (std_benign + std_attack) > 0``, with ``n`` chosen on a
   validation split by the AUROC of the mean focus over the kept heads.
 - Learned weighting: an L1-penalised logistic regression predicting injection from the heads'
-  features (focus, or by default logit(focus): :func:`guardrail.scoring.head_features`),
+  features (focus, logit(focus) or by default five attention stats per head:
+  :func:`guardrail.scoring.head_features`),
   fitted on standardised features and stored on the raw scale (``weights``, ``bias``).
   Layers are added greedily (a layer-budget sweep) because every hooked layer costs time.
 - Thresholds: the midpoint of the class means, and the threshold at a target false-positive
@@ -31,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from guardrail.evaluation import auroc, tpr_at_fpr
-from guardrail.scoring import FeatureKind, HeadKey, head_features
+from guardrail.scoring import FEATURES_PER_HEAD, FeatureKind, HeadKey, focus_of, head_features
 
 __all__ = [
     "C_GRID",
@@ -329,7 +332,8 @@ def choose_budget(steps: Sequence[LayerStep], tolerance: float = 0.005) -> Layer
 
 @dataclass(frozen=True)
 class LogisticFit:
-    """A fitted sparse probe: the heads with non-zero weight, their weights and the bias."""
+    """A fitted sparse probe: the heads with a non-zero weight, their weights (all of a kept
+    head's features, head-major) and the bias."""
 
     heads: list[HeadKey]
     weights: list[float]
@@ -345,22 +349,40 @@ def fit_logistic_probe(
     folds: np.ndarray,
     layers: Sequence[int],
     c: float,
+    per_head: int = 1,
 ) -> LogisticFit:
-    """Fit on all rows over the heads of ``layers``; keep heads with a non-zero weight.
+    """Fit on all rows over the feature columns of ``layers``; keep heads with a non-zero weight.
 
+    Column j of ``scores`` is a feature of head ``heads[j]``; a head's ``per_head`` features
+    are adjacent. A head is kept with all its features when any of them has a weight.
     ``oof_focus`` is the out-of-fold focus of each row with the same layers and C, which is
     what thresholds are set on (in-sample scores would be optimistic).
+
+    Example:
+        >>> rng = np.random.default_rng(0); y = np.r_[np.zeros(30), np.ones(30)].astype(int)
+        >>> x = rng.normal(0, 1, (60, 4)); x[y == 1, 3] += 2  # head (0, 1), second feature
+        >>> fit = fit_logistic_probe(x, y, [(0, 0), (0, 0), (0, 1), (0, 1)],
+        ...                          group_folds([str(i) for i in range(60)], 3), [0], 0.05, 2)
+        >>> fit.heads, len(fit.weights)
+        ([(0, 1)], 2)
     """
     cols = _columns_of(heads, layers)
     weights, bias = fit_l1_logistic(scores[:, cols], labels, c)
-    keep = np.flatnonzero(np.abs(weights) > 1e-9)
+    keep = np.flatnonzero((np.abs(weights) > 1e-9).reshape(-1, per_head).any(axis=1))
     if len(keep) == 0:  # everything penalised away: keep the single strongest head, unpenalised
-        keep = np.array([int(np.argmax(head_margins(scores[:, cols], labels, 0.0)))])
-        weights, bias = fit_l1_logistic(scores[:, cols[keep]], labels, 1e4)
-        weights = np.zeros(len(cols)) + np.bincount(keep, weights, len(cols))
+        margins = np.abs(head_margins(scores[:, cols], labels, 0.0)).reshape(-1, per_head)
+        keep = np.array([int(np.argmax(margins.max(axis=1)))])
+        block = [int(keep[0]) * per_head + f for f in range(per_head)]
+        weights = np.zeros(len(cols))
+        weights[block], bias = fit_l1_logistic(scores[:, cols[block]], labels, 1e4)
     oof = cross_val_focus(scores[:, cols], labels, folds, c)
+    kept = [int(j) * per_head + f for j in keep for f in range(per_head)]
     return LogisticFit(
-        [heads[cols[j]] for j in keep], [float(weights[j]) for j in keep], bias, c, oof
+        [heads[cols[int(j) * per_head]] for j in keep],
+        [float(weights[j]) for j in kept],
+        bias,
+        c,
+        oof,
     )
 
 
@@ -373,7 +395,7 @@ class CalibrationSettings:
     max_layers: int = 6
     budget_tolerance: float = 0.005
     probe: str = "auto"  # "auto", "logistic" or "mean_focus"
-    feature: FeatureKind = "logit_focus"  # what the logistic probe weighs per head
+    feature: FeatureKind = "attention_stats"  # what the logistic probe weighs per head
     folds: int = 5
     seed: int = 0
 
@@ -433,13 +455,17 @@ def _logistic_sweep(
     settings: CalibrationSettings,
     progress: Any,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Fitted probes for each layer budget (then all layers), and the budget to ship."""
+    """Fitted probes for each layer budget (then all layers), and the budget to ship.
+
+    Column j of ``scores`` is a feature of head ``heads[j]`` (a head repeats per feature).
+    """
     steps = greedy_layer_sweep(scores, labels, heads, folds, settings.max_layers, progress)
     c_all, all_metrics = choose_c(scores, labels, folds)
     steps_all = [*steps, LayerStep(sorted({lay for lay, _ in heads}), c_all, all_metrics)]
     sweep: list[dict[str, Any]] = []
+    per_head = FEATURES_PER_HEAD[settings.feature]
     for step in steps_all:
-        fit = fit_logistic_probe(scores, labels, heads, folds, step.layers, step.c)
+        fit = fit_logistic_probe(scores, labels, heads, folds, step.layers, step.c, per_head)
         threshold, values = _thresholds(fit.oof_focus, labels, settings)
         probe = {
             "heads": fit.heads,
@@ -471,23 +497,26 @@ def _logistic_sweep(
 
 
 def calibrate_probes(
-    scores: np.ndarray,
+    stats: np.ndarray,
     labels: np.ndarray,
     heads: Sequence[HeadKey],
     groups: Sequence[str],
     settings: CalibrationSettings = CalibrationSettings(),
     progress: Any = None,
 ) -> dict[str, Any]:
-    """Both probe kinds from one score matrix, plus the layer sweep, as plain data.
+    """Both probe kinds from the probe's attention stats ``[rows, heads, 5]``, plus the layer
+    sweep, as plain data.
 
     Returns ``{"chosen": kind, "probes": {kind: {heads, weights, bias, threshold,
     thresholds, notes, cv_auroc}}, "n_search": [...], "layer_sweep": [...]}``; the CLI turns
     probes into ``ModelProbeConfig`` files. Folds and the validation split keep groups whole.
     """
     folds = group_folds(groups, settings.folds, settings.seed)
-    mean_probe, choice = _mean_focus_probe(scores, labels, heads, folds, settings)
-    features = head_features(scores, settings.feature)
-    sweep, logistic_probe = _logistic_sweep(features, labels, heads, folds, settings, progress)
+    focus = np.asarray(focus_of(stats))
+    mean_probe, choice = _mean_focus_probe(focus, labels, heads, folds, settings)
+    features = head_features(stats, settings.feature)
+    columns = [h for h in heads for _ in range(FEATURES_PER_HEAD[settings.feature])]
+    sweep, logistic_probe = _logistic_sweep(features, labels, columns, folds, settings, progress)
     chosen = settings.probe
     if chosen == "auto":
         better = logistic_probe["cv_auroc"] >= mean_probe["cv_auroc"]

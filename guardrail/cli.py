@@ -49,7 +49,7 @@ from guardrail.evaluation import (
     plot_layer_sweep,
     plot_roc,
 )
-from guardrail.scoring import HeadKey
+from guardrail.scoring import ATTENTION_STATS, HeadKey
 from guardrail.steering_build import configure_steer, run_steer
 
 __all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main", "register", "score_pairs"]
@@ -156,7 +156,7 @@ def open_engine(model: str, heads: Sequence[HeadKey] | str, args: argparse.Names
     from guardrail.engine import HookedLLM
 
     first: list[HeadKey] = [(0, 0)] if isinstance(heads, str) else [tuple(heads[0])]  # type: ignore[list-item]
-    placeholder = ModelProbeConfig(model_id="calibration", heads=first)  # only head_scores used
+    placeholder = ModelProbeConfig(model_id="calibration", heads=first)  # only head_stats used
     return HookedLLM(
         model,
         placeholder,
@@ -199,7 +199,7 @@ def score_pairs(
     max_prompt_tokens: int | None = None,
     model: str = "",
 ) -> tuple[ScoreTable, list[dict[str, str]]]:
-    """Per-head focus of each row through the engine's probe; also the rows it skipped.
+    """Per-head attention stats of each row through the engine's probe; also the rows it skipped.
 
     Rows longer than ``max_prompt_tokens`` or the engine's context, and rows the probe could
     not score, are skipped and listed with the reason.
@@ -231,12 +231,12 @@ def score_pairs(
             chunk, engine.score([(p.instruction, p.data) for p in chunk]), strict=True
         ):
             probe = out.probe
-            if out.error is not None or probe is None or not probe.head_scores:
+            if out.error is not None or probe is None or not probe.head_stats:
                 reason = str(out.error or (probe.error if probe else "no probe result"))
                 skipped.append({"id": pair.id, "reason": reason[:160]})
                 continue
             keys.append(content_key(pair))
-            values.append([probe.head_scores[h] for h in heads])
+            values.append([probe.head_stats[h] for h in heads])
             prompt_tokens.append(probe.num_prompt_tokens)
             data_tokens.append(sum(b - a for a, b in out.prompt.data_spans))
         bar.update(len(chunk))
@@ -245,7 +245,7 @@ def score_pairs(
         model,
         heads,
         keys,
-        np.asarray(values, dtype=float).reshape(-1, len(heads)),
+        np.asarray(values, dtype=float).reshape(-1, len(heads), len(ATTENTION_STATS)),
         np.asarray(prompt_tokens),
         np.asarray(data_tokens),
     )
@@ -342,9 +342,10 @@ def _configure_calibrate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe", choices=["auto", "logistic", "mean_focus"], default="auto")
     parser.add_argument(
         "--feature",
-        choices=["logit_focus", "focus"],
-        default="logit_focus",
-        help="what the logistic probe weighs per head (default: logit of its focus)",
+        choices=["attention_stats", "logit_focus", "focus"],
+        default="attention_stats",
+        help="what the logistic probe weighs per head (default: log attention masses on "
+        "instruction, data and sink, largest data-token attention and data entropy)",
     )
     parser.add_argument("--threshold-rule", choices=["fpr", "midpoint"], default="fpr")
     parser.add_argument("--target-fpr", type=float, default=0.01)
@@ -371,7 +372,7 @@ def probe_config(
         threshold=probe["threshold"],
         num_layers=max(h[0] for h in heads) + 1,
         num_heads=max(h[1] for h in heads) + 1,
-        source="guardrail calibrate: per-head focus from the serving probe",
+        source="guardrail calibrate: per-head attention stats from the serving probe",
         calibration=Calibration(
             **provenance, thresholds=probe["thresholds"], notes=probe.get("notes", "")
         ),

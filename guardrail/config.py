@@ -13,15 +13,23 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from guardrail.errors import ConfigError, HeadsDoNotFitModelError, ModelConfigNotFoundError
-from guardrail.scoring import FeatureKind, HeadKey, logistic_focus, mean_focus
+from guardrail.scoring import (
+    FEATURES_PER_HEAD,
+    FeatureKind,
+    HeadKey,
+    focus_of,
+    logistic_focus,
+    mean_focus,
+)
 
 ProbeKind = Literal["mean_focus", "logistic"]
 
@@ -63,9 +71,11 @@ class ModelProbeConfig(BaseModel):
         if any(layer < 0 or head < 0 for layer, head in self.heads):
             raise ValueError("heads must be 0-based (layer, head) pairs, got a negative index")
         if self.probe == "logistic":
-            if self.weights is None or len(self.weights) != len(self.heads):
+            per_head = FEATURES_PER_HEAD[self.feature]
+            if self.weights is None or len(self.weights) != per_head * len(self.heads):
                 raise ValueError(
-                    f"probe 'logistic' needs one weight per head: {len(self.heads)} heads, "
+                    f"probe 'logistic' with feature {self.feature!r} needs {per_head} "
+                    f"weight{'s' if per_head > 1 else ''} per head: {len(self.heads)} heads, "
                     f"{0 if self.weights is None else len(self.weights)} weights"
                 )
         elif self.weights is not None:
@@ -81,13 +91,16 @@ class ModelProbeConfig(BaseModel):
         """Sorted layers that hold at least one head: the layers the probe hooks."""
         return sorted({layer for layer, _ in self.heads})
 
-    def focus(self, head_scores: Mapping[HeadKey, float]) -> float:
-        """Combine per-head focus scores into the request's focus score (low = injection)."""
+    def focus(self, head_stats: Mapping[HeadKey, Sequence[float]]) -> float:
+        """Combine per-head attention stats (``scoring.ATTENTION_STATS``) into the request's
+        focus score (low = injection)."""
         if self.probe == "logistic":
             return logistic_focus(
-                head_scores, self.heads, self.weights or [], self.bias, self.feature
+                head_stats, self.heads, self.weights or [], self.bias, self.feature
             )
-        return mean_focus(head_scores, self.heads)
+        return mean_focus(
+            {h: float(focus_of(np.asarray(head_stats[h]))) for h in self.heads}, self.heads
+        )
 
     def check_fits(self, num_layers: int, num_heads: int) -> None:
         """Raise ``HeadsDoNotFitModelError`` if a head lies outside a model of this size."""

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from guardrail.errors import ConfigError
+from guardrail.scoring import ATTENTION_STATS
 
 __all__ = [
     "INJECTION_GOALS",
@@ -337,7 +338,8 @@ def content_key(pair: LabelledPair) -> str:
 
 @dataclass
 class ScoreTable:
-    """Per-head focus of scored rows: ``values [rows, heads]``, column j is ``heads[j]``.
+    """Per-head attention stats of scored rows: ``values [rows, heads, len(ATTENTION_STATS)]``,
+    column j is ``heads[j]`` (``guardrail.scoring.ATTENTION_STATS`` on the last axis).
 
     Token counts ride along (the length confound check), and ``skipped`` remembers rows that
     could not be scored (content key -> reason). Saved as ``.npz`` so calibration and
@@ -375,6 +377,12 @@ class ScoreTable:
                     zip(z["skipped_keys"].tolist(), z["skipped_reasons"].tolist(), strict=True)
                 )
             heads = [(int(a), int(b)) for a, b in z["heads"]]
+            if z["values"].ndim != 3 or z["values"].shape[2] != len(ATTENTION_STATS):
+                raise ConfigError(
+                    f"score cache {path} holds per-head focus from an older version of "
+                    "guardrail, not per-head attention stats: delete it (or pass another "
+                    "--scores-cache path) and the rows are scored again"
+                )
             return cls(
                 str(z["model"]),
                 heads,
@@ -414,7 +422,7 @@ class ScoreTable:
             self.model,
             self.heads,
             merged.keys + extra.keys,
-            np.vstack([merged.values, extra.values]),
+            np.concatenate([merged.values, extra.values]),
             np.r_[merged.prompt_tokens, extra.prompt_tokens],
             np.r_[merged.data_tokens, extra.data_tokens],
             {**self.skipped, **other.skipped},

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from guardrail.config import ModelProbeConfig, load_model_config, read_model_config
 from guardrail.errors import ConfigError, EngineNotGuardableError, GuardrailError
 from guardrail.prompts import PreparedPrompt, RequestLike, prepare_prompt
-from guardrail.scoring import HeadKey
+from guardrail.scoring import HeadKey, focus_of
 from guardrail.steering_engine import (
     STEER_ARG,
     SteeringEngineMixin,
@@ -41,7 +43,8 @@ class ProbeResult:
     """What the probe measured for one request (``error`` set when it could not score)."""
 
     focus: float | None
-    head_scores: dict[HeadKey, float] = field(default_factory=dict)
+    head_scores: dict[HeadKey, float] = field(default_factory=dict)  # focus per head
+    head_stats: dict[HeadKey, tuple[float, ...]] = field(default_factory=dict)  # ATTENTION_STATS
     error: str | None = None
     num_prompt_tokens: int = 0
     probe_seconds: float = 0.0
@@ -103,8 +106,8 @@ def _merge_rank_results(per_rank: list[dict[str, Any]], key: str) -> dict[str, A
         merged["num_prompt_tokens"] = result["num_prompt_tokens"]
         merged["seconds"] = max(merged["seconds"], result["probe_seconds"])
         merged["stopped"] = merged["stopped"] or bool(result.get("stopped"))
-        for layer, head, score in result.get("heads", []):
-            merged["heads"][(layer, head)] = score
+        for layer, head, stats in result.get("heads", []):
+            merged["heads"][(layer, head)] = tuple(stats)
     return merged
 
 
@@ -351,7 +354,7 @@ class HookedLLM(SteeringEngineMixin):
         self, index: int, prepared: PreparedPrompt, result: Any, merged: dict[str, Any]
     ) -> GuardedOutput:
         completion = result.outputs[0]
-        heads: dict[HeadKey, float] = merged["heads"]
+        heads: dict[HeadKey, tuple[float, ...]] = merged["heads"]
         error = merged["error"]
         if error is None and not heads:
             error = "missing: the probe returned no score for this request"
@@ -360,7 +363,8 @@ class HookedLLM(SteeringEngineMixin):
         focus = None if error else self.config.focus(heads)
         probe = ProbeResult(
             focus=focus,
-            head_scores=heads,
+            head_scores={h: float(focus_of(np.asarray(s))) for h, s in heads.items()},
+            head_stats=heads,
             error=error,
             num_prompt_tokens=merged["num_prompt_tokens"],
             probe_seconds=merged["seconds"],

@@ -6,6 +6,7 @@ and ``output_attentions=True``, and reads the last token's attention rows direct
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -53,3 +54,34 @@ def hf_head_scores(
         on_i, on_d = row[instr].sum().item(), row[data].sum().item()
         scores[(layer, head)] = on_i / (on_i + on_d + 1e-8)
     return scores
+
+
+def hf_head_stats(
+    model_dir: str,
+    token_ids: Sequence[int],
+    instruction_spans: Sequence[tuple[int, int]],
+    data_spans: Sequence[tuple[int, int]],
+    heads: Sequence[tuple[int, int]],
+) -> dict[tuple[int, int], list[float]]:
+    """Attention stats per head (instruction, data and sink mass, largest data token, data
+    entropy / log(data tokens)) from HF eager attention of the last prompt token."""
+    rows = _last_token_attention(model_dir, tuple(token_ids))
+    instr = [i for a, b in instruction_spans for i in range(a, b)]
+    data = [i for a, b in data_spans for i in range(a, b)]
+    stats = {}
+    for layer, head in heads:
+        row = rows[layer][head].tolist()
+        on_data = [row[i] for i in data]
+        total = sum(on_data)
+        entropy = 0.0
+        if len(on_data) > 1:
+            shares = [x / total for x in on_data]
+            entropy = -sum(x * math.log(x) for x in shares if x > 0) / math.log(len(on_data))
+        stats[(layer, head)] = [
+            sum(row[i] for i in instr),
+            total,
+            row[0],
+            max(on_data, default=0.0),
+            entropy,
+        ]
+    return stats

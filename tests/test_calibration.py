@@ -22,6 +22,7 @@ from guardrail.calibration import (
 )
 from guardrail.config import ModelProbeConfig
 from guardrail.evaluation import auroc
+from guardrail.scoring import FEATURES_PER_HEAD, focus_of
 
 pytest.importorskip("sklearn")
 
@@ -39,6 +40,24 @@ def synthetic(n_groups: int = 60, seed: int = 0, informative: dict | None = None
     for head, drop in informative.items():
         scores[labels == 1, GRID.index(head)] -= drop
     return np.clip(scores, 0, 1), labels, groups
+
+
+def as_stats(focus: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Attention stats [rows, heads, 5] whose focus is ``focus``; the other stats are noise."""
+    rng = np.random.default_rng(seed)
+    mass = rng.uniform(0.3, 0.9, focus.shape)  # instruction + data; the rest is on the sink
+    stats = np.stack(
+        [
+            focus * mass,
+            (1 - focus) * mass,
+            1 - mass,
+            (1 - focus) * mass * rng.uniform(0.05, 0.3, focus.shape),
+            rng.uniform(0.5, 1.0, focus.shape),
+        ],
+        axis=-1,
+    )
+    np.testing.assert_allclose(focus_of(stats), focus, atol=1e-6)
+    return stats
 
 
 def test_head_margins_follow_the_published_rule():
@@ -98,19 +117,20 @@ def test_group_folds_keep_groups_whole_and_balanced():
     assert sorted(np.bincount(folds).tolist()) == [40] * 5
 
 
-def assert_serving_matches(scores, features, weights, bias, feature):
-    """The config's focus (serving) equals the fitted model's on the first 20 rows."""
-    keep = np.flatnonzero(weights)
+def assert_serving_matches(stats, features, weights, bias, feature):
+    """The config's focus (serving, from per-head stats) equals the fitted model's on 20 rows."""
+    per_head = FEATURES_PER_HEAD[feature]
+    keep = np.flatnonzero(np.reshape(weights, (-1, per_head)).any(axis=1))
     config = ModelProbeConfig(
         model_id="synthetic",
         probe="logistic",
         feature=feature,
         heads=[GRID[j] for j in keep],
-        weights=weights[keep].tolist(),
+        weights=np.reshape(weights, (-1, per_head))[keep].ravel().tolist(),
         bias=bias,
     )
     expected = logistic_focus_array(features, weights, bias)
-    served = [config.focus(dict(zip(GRID, row, strict=True))) for row in scores[:20]]
+    served = [config.focus(dict(zip(GRID, row, strict=True))) for row in stats[:20]]
     np.testing.assert_allclose(served, expected[:20], rtol=1e-9)
 
 
@@ -121,17 +141,42 @@ def test_l1_logistic_is_sparse_and_matches_the_serving_focus():
     assert (2, 1) in nonzero and (4, 3) in nonzero
     assert len(nonzero) <= 8, "the L1 penalty should drop most noise heads"
     assert weights[GRID.index((2, 1))] < 0, "lower focus must mean more likely injected"
-    assert_serving_matches(scores, scores, weights, bias, "focus")
+    stats = as_stats(scores)
+    assert_serving_matches(stats, head_features(stats, "focus"), weights, bias, "focus")
 
 
 def test_logit_feature_probe_serves_what_calibration_fitted():
     scores, labels, _ = synthetic(n_groups=100)
     scores[0, 0], scores[1, 0] = 0.0, 1.0  # the ends are clipped, not infinite
-    features = head_features(scores, "logit_focus")
+    stats = as_stats(scores)
+    features = head_features(stats, "logit_focus")
     assert np.isfinite(features).all()
-    np.testing.assert_allclose(features[2], np.log(scores[2] / (1 - scores[2])))
+    np.testing.assert_allclose(features[2], np.log(scores[2] / (1 - scores[2])), atol=1e-6)
     weights, bias = fit_l1_logistic(features, labels, c=0.05)
-    assert_serving_matches(scores, features, weights, bias, "logit_focus")
+    assert_serving_matches(stats, features, weights, bias, "logit_focus")
+
+
+def test_attention_stats_probe_finds_a_signal_focus_cannot_see():
+    # Focus carries nothing; injected rows put their data attention on one token of one head.
+    scores, labels, groups = synthetic(n_groups=100, informative={(0, 0): 0.0})
+    stats = as_stats(scores)
+    peaked = GRID.index((3, 2))
+    stats[labels == 1, peaked, 3] = stats[labels == 1, peaked, 1] * 0.9
+    stats[labels == 1, peaked, 4] *= 0.3
+    result = calibrate_probes(
+        stats, labels, GRID, groups, CalibrationSettings(max_layers=1, folds=3)
+    )
+    log, mean = result["probes"]["logistic"], result["probes"]["mean_focus"]
+    assert log["feature"] == "attention_stats"  # the default
+    assert (3, 2) in [tuple(h) for h in log["heads"]]
+    assert len(log["weights"]) == 5 * len(log["heads"])
+    assert log["cv_auroc"] > 0.95 and mean["cv_auroc"] < 0.7
+    features = head_features(stats, "attention_stats")
+    weights = np.zeros(features.shape[1])
+    for head, w in zip(log["heads"], np.reshape(log["weights"], (-1, 5)), strict=True):
+        j = GRID.index(tuple(head))
+        weights[5 * j : 5 * j + 5] = w
+    assert_serving_matches(stats, features, weights, log["bias"], "attention_stats")
 
 
 def test_logistic_weighting_beats_mean_focus_when_heads_differ_in_strength():
@@ -139,13 +184,12 @@ def test_logistic_weighting_beats_mean_focus_when_heads_differ_in_strength():
     informative = {(1, h): 0.03 for h in range(4)} | {(3, 0): 0.2}
     scores, labels, groups = synthetic(n_groups=120, informative=informative)
     test_scores, test_labels, _ = synthetic(n_groups=60, seed=9, informative=informative)
-    result = calibrate_probes(
-        scores, labels, GRID, groups, CalibrationSettings(max_layers=2, folds=3)
-    )
+    settings = CalibrationSettings(max_layers=2, folds=3, feature="logit_focus")
+    result = calibrate_probes(as_stats(scores), labels, GRID, groups, settings)
     log, mean = result["probes"]["logistic"], result["probes"]["mean_focus"]
     cols = [GRID.index(tuple(h)) for h in log["heads"]]
-    assert log["feature"] == "logit_focus"  # the default
-    features = head_features(test_scores[:, cols], log["feature"])
+    assert log["feature"] == "logit_focus"
+    features = head_features(as_stats(test_scores, seed=1)[:, cols], log["feature"])
     held_log = 1 - logistic_focus_array(features, np.array(log["weights"]), log["bias"])
     held_mean = 1 - test_scores[:, [GRID.index(tuple(h)) for h in mean["heads"]]].mean(1)
     assert auroc(test_labels, held_log) >= auroc(test_labels, held_mean) - 0.01
@@ -163,7 +207,11 @@ def test_greedy_sweep_finds_the_informative_layer_first():
 def test_calibrate_probes_returns_valid_configs_and_thresholds():
     scores, labels, groups = synthetic()
     result = calibrate_probes(
-        scores, labels, GRID, groups, CalibrationSettings(max_layers=2, target_fpr=0.05, folds=3)
+        as_stats(scores),
+        labels,
+        GRID,
+        groups,
+        CalibrationSettings(max_layers=2, target_fpr=0.05, folds=3),
     )
     assert result["chosen"] in ("logistic", "mean_focus")
     assert len(result["layer_sweep"]) == 3  # 1 and 2 layers, then all layers

@@ -52,7 +52,11 @@ def test_lookup_by_id_and_by_local_directory_name():
         ({"heads": [[0, 1], [0, 1]]}, "duplicates"),
         ({"heads": [[-1, 0]]}, "0-based"),
         ({"threshold": 1.5}, "less than or equal to 1"),
-        ({"probe": "logistic"}, "one weight per head"),
+        ({"probe": "logistic"}, "needs 1 weight per head"),
+        (
+            {"probe": "logistic", "feature": "attention_stats", "weights": [1.0]},
+            "'attention_stats' needs 5 weights per head: 1 heads, 1 weights",
+        ),
         ({"weights": [1.0]}, "only used by probe 'logistic'"),
         ({"feature": "logit_focus"}, "only used by probe 'logistic'"),
         ({"colour": "red"}, "Extra inputs are not permitted"),

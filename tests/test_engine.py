@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from guardrail.config import ModelProbeConfig
 from guardrail.errors import HeadsDoNotFitModelError, RequestError
 from tests.conftest import start_engine
-from tests.reference import hf_head_scores
+from tests.reference import hf_head_scores, hf_head_stats
 
 SYSTEM = (
     "You are a careful assistant for the finance team. Read the document the user provides and "
@@ -52,6 +53,13 @@ def assert_matches_reference(model_dir: Path, outputs, heads, atol=1e-4) -> None
         ref = hf_head_scores(str(model_dir), p.token_ids, p.instruction_spans, p.data_spans, heads)
         worst = max(abs(ref[h] - out.probe.head_scores[h]) for h in heads)
         assert worst < atol, f"request {out.index}: max |vllm - hf| = {worst:.2e}"
+        stats = hf_head_stats(str(model_dir), p.token_ids, p.instruction_spans, p.data_spans, heads)
+        for h in heads:
+            got, want = out.probe.head_stats[h], stats[h]
+            np.testing.assert_allclose(got[:4], want[:4], atol=atol, rtol=0)
+            # the entropy of the data share is ill-conditioned when almost no attention
+            # reaches the data (float32 rounding of ~1e-9 weights): checked loosely there
+            assert abs(got[4] - want[4]) < (atol if want[1] > 1e-3 else 0.05), (h, got, want)
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])

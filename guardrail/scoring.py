@@ -80,30 +80,6 @@ def focus_of(stats: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     return stats[..., INSTRUCTION] / (stats[..., INSTRUCTION] + stats[..., DATA] + EPS)
 
 
-def head_focus_scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    kv_index: torch.Tensor,
-    instruction_mask: torch.Tensor,
-    data_mask: torch.Tensor,
-    scale: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Per-head focus of the last prompt token on the instruction span, [heads] float32.
-
-    sum(a[instr]) / (sum(a[instr]) + sum(a[data]) + 1e-8), with ``a`` and the arguments as in
-    :func:`head_attention_stats`.
-
-    Example:
-        >>> q = torch.zeros(1, 4); k = torch.zeros(3, 1, 4)
-        >>> m_i = torch.tensor([True, False, False]); m_d = torch.tensor([False, True, True])
-        >>> round(head_focus_scores(q, k, torch.tensor([0]), m_i, m_d, 0.5).item(), 4)
-        0.3333
-    """
-    stats = head_attention_stats(q, k, kv_index, instruction_mask, data_mask, scale, softcap)
-    return torch.as_tensor(focus_of(stats))
-
-
 def mean_focus(head_scores: Mapping[HeadKey, float], heads: Sequence[HeadKey]) -> float:
     """The published Attention Tracker score: mean head focus over the important heads.
 

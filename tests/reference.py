@@ -33,29 +33,6 @@ def _last_token_attention(model_dir: str, token_ids: tuple[int, ...]) -> list[to
     return [layer[0, :, -1].double() for layer in out.attentions]
 
 
-def hf_head_scores(
-    model_dir: str,
-    token_ids: Sequence[int],
-    instruction_spans: Sequence[tuple[int, int]],
-    data_spans: Sequence[tuple[int, int]],
-    heads: Sequence[tuple[int, int]],
-) -> dict[tuple[int, int], float]:
-    """Focus per (layer, head) from HF eager attention of the last prompt token."""
-    rows = _last_token_attention(model_dir, tuple(token_ids))
-    instr = torch.zeros(len(token_ids), dtype=torch.bool)
-    data = torch.zeros(len(token_ids), dtype=torch.bool)
-    for a, b in instruction_spans:
-        instr[a:b] = True
-    for a, b in data_spans:
-        data[a:b] = True
-    scores = {}
-    for layer, head in heads:
-        row = rows[layer][head]
-        on_i, on_d = row[instr].sum().item(), row[data].sum().item()
-        scores[(layer, head)] = on_i / (on_i + on_d + 1e-8)
-    return scores
-
-
 def hf_head_stats(
     model_dir: str,
     token_ids: Sequence[int],
@@ -85,3 +62,15 @@ def hf_head_stats(
             entropy,
         ]
     return stats
+
+
+def hf_head_scores(
+    model_dir: str,
+    token_ids: Sequence[int],
+    instruction_spans: Sequence[tuple[int, int]],
+    data_spans: Sequence[tuple[int, int]],
+    heads: Sequence[tuple[int, int]],
+) -> dict[tuple[int, int], float]:
+    """Focus per (layer, head) from HF eager attention of the last prompt token."""
+    stats = hf_head_stats(model_dir, token_ids, instruction_spans, data_spans, heads)
+    return {h: on_i / (on_i + on_d + 1e-8) for h, (on_i, on_d, *_) in stats.items()}

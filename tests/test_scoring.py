@@ -8,12 +8,17 @@ import pytest
 import torch
 
 from guardrail.scoring import (
+    focus_of,
     head_attention_stats,
-    head_focus_scores,
     logistic_focus,
     mean_focus,
     spans_to_mask,
 )
+
+
+def head_focus_scores(q, k, kv_index, instr, data, scale, softcap=None):
+    """Focus per head, as the worker derives it from the attention stats."""
+    return focus_of(head_attention_stats(q, k, kv_index, instr, data, scale, softcap))
 
 
 def _reference(q, k, kv_index, instr, data, scale, softcap=None):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from guardrail.cli import SUBCOMMANDS, build_parser, main, score_pairs
@@ -169,6 +170,25 @@ def test_calibrate_from_benign_pairs_alone(tiny_engine, tiny_llama_dir, tmp_path
     assert "generated twins" in config.calibration.dataset
     # a second run reads every score from the cache: no engine is needed at all
     assert main(args, engine=None) == 0
+
+
+def test_a_score_cache_of_focus_only_is_refused_with_the_fix(tmp_path, capsys):
+    # caches written before the probe read attention stats hold [rows, heads] focus
+    cache = tmp_path / "old.npz"
+    np.savez_compressed(
+        cache,
+        model=np.array("m"),
+        heads=np.array([[0, 0]]),
+        keys=np.array(["k"]),
+        values=np.array([[0.5]]),
+        prompt_tokens=np.array([10]),
+        data_tokens=np.array([4]),
+    )
+    write_rows(tmp_path / "rows.jsonl", labelled=True)
+    args = ["calibrate", "--data", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path)]
+    assert main([*args, "--scores-cache", str(cache)], engine=None) == 2
+    err = capsys.readouterr().err
+    assert "older version" in err and "delete it" in err and str(cache) in err
 
 
 def test_calibrate_reports_missing_classes(tiny_engine, tiny_llama_dir, tmp_path, capsys):

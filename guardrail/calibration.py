@@ -10,7 +10,7 @@ both. No model and no engine here: the CLI measures the stats with the serving p
   ``mean_benign - mean_attack - n * (std_benign + std_attack) > 0``, with ``n`` chosen on a
   validation split by the AUROC of the mean focus over the kept heads.
 - Learned weighting: an L1-penalised logistic regression predicting injection from the heads'
-  features (focus, logit(focus) or by default five attention stats per head:
+  features (focus, by default logit(focus), or five attention stats per head:
   :func:`guardrail.scoring.head_features`),
   fitted on standardised features and stored on the raw scale (``weights``, ``bias``).
   Layers are added greedily (a layer-budget sweep) because every hooked layer costs time.
@@ -395,7 +395,7 @@ class CalibrationSettings:
     max_layers: int = 6
     budget_tolerance: float = 0.005
     probe: str = "auto"  # "auto", "logistic" or "mean_focus"
-    feature: FeatureKind = "attention_stats"  # what the logistic probe weighs per head
+    feature: FeatureKind = "logit_focus"  # what the logistic probe weighs per head
     folds: int = 5
     seed: int = 0
 

@@ -342,10 +342,11 @@ def _configure_calibrate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe", choices=["auto", "logistic", "mean_focus"], default="auto")
     parser.add_argument(
         "--feature",
-        choices=["attention_stats", "logit_focus", "focus"],
-        default="attention_stats",
-        help="what the logistic probe weighs per head (default: log attention masses on "
-        "instruction, data and sink, largest data-token attention and data entropy)",
+        choices=["logit_focus", "attention_stats", "focus"],
+        default="logit_focus",
+        help="what the logistic probe weighs per head (default: logit of its focus; "
+        "attention_stats: five stats per head, better when the calibration rows match your "
+        "traffic's data lengths, see docs/detection.md)",
     )
     parser.add_argument("--threshold-rule", choices=["fpr", "midpoint"], default="fpr")
     parser.add_argument("--target-fpr", type=float, default=0.01)

@@ -163,11 +163,10 @@ def test_attention_stats_probe_finds_a_signal_focus_cannot_see():
     peaked = GRID.index((3, 2))
     stats[labels == 1, peaked, 3] = stats[labels == 1, peaked, 1] * 0.9
     stats[labels == 1, peaked, 4] *= 0.3
-    result = calibrate_probes(
-        stats, labels, GRID, groups, CalibrationSettings(max_layers=1, folds=3)
-    )
+    settings = CalibrationSettings(max_layers=1, folds=3, feature="attention_stats")
+    result = calibrate_probes(stats, labels, GRID, groups, settings)
     log, mean = result["probes"]["logistic"], result["probes"]["mean_focus"]
-    assert log["feature"] == "attention_stats"  # the default
+    assert log["feature"] == "attention_stats"
     assert (3, 2) in [tuple(h) for h in log["heads"]]
     assert len(log["weights"]) == 5 * len(log["heads"])
     assert log["cv_auroc"] > 0.95 and mean["cv_auroc"] < 0.7
@@ -184,11 +183,11 @@ def test_logistic_weighting_beats_mean_focus_when_heads_differ_in_strength():
     informative = {(1, h): 0.03 for h in range(4)} | {(3, 0): 0.2}
     scores, labels, groups = synthetic(n_groups=120, informative=informative)
     test_scores, test_labels, _ = synthetic(n_groups=60, seed=9, informative=informative)
-    settings = CalibrationSettings(max_layers=2, folds=3, feature="logit_focus")
+    settings = CalibrationSettings(max_layers=2, folds=3)
     result = calibrate_probes(as_stats(scores), labels, GRID, groups, settings)
     log, mean = result["probes"]["logistic"], result["probes"]["mean_focus"]
     cols = [GRID.index(tuple(h)) for h in log["heads"]]
-    assert log["feature"] == "logit_focus"
+    assert log["feature"] == "logit_focus"  # the default
     features = head_features(as_stats(test_scores, seed=1)[:, cols], log["feature"])
     held_log = 1 - logistic_focus_array(features, np.array(log["weights"]), log["bias"])
     held_mean = 1 - test_scores[:, [GRID.index(tuple(h)) for h in mean["heads"]]].mean(1)

@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections import defaultdict
 from pathlib import Path
 
-from guardrail.datasets import insert_at, load_pairs
+from guardrail.datasets import LabelledPair, insert_at, load_pairs
 
 
 def crop(text: str, limit: int) -> str:
@@ -42,12 +43,16 @@ def main() -> None:
         raise SystemExit("--data must be labelled rows (clean and injected of each context)")
     rng = random.Random(args.seed)
     clean = {p.group: p for p in pairs if p.label == 0}
+    attacks: dict[str, list[LabelledPair]] = defaultdict(list)
+    for p in pairs:
+        if p.label == 1 and p.attack:
+            attacks[p.group].append(p)
     rows = []
     for group, pair in clean.items():
         data = crop(pair.data, rng.randint(args.min_chars, args.max_chars))
         base = {"instruction": pair.instruction, "task": pair.task, "source": group}
         rows.append({**base, "id": f"{pair.id}~short", "data": data, "label": 0})
-        for attack in (p for p in pairs if p.group == group and p.label == 1 and p.attack):
+        for attack in attacks[group]:
             rows.append(
                 {
                     **base,

@@ -18,7 +18,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from guardrail.errors import ConfigError, HeadsDoNotFitModelError, ModelConfigNotFoundError
@@ -26,7 +25,7 @@ from guardrail.scoring import (
     FEATURES_PER_HEAD,
     FeatureKind,
     HeadKey,
-    focus_of,
+    head_focus,
     logistic_focus,
     mean_focus,
 )
@@ -98,9 +97,7 @@ class ModelProbeConfig(BaseModel):
             return logistic_focus(
                 head_stats, self.heads, self.weights or [], self.bias, self.feature
             )
-        return mean_focus(
-            {h: float(focus_of(np.asarray(head_stats[h]))) for h in self.heads}, self.heads
-        )
+        return mean_focus(head_focus({h: head_stats[h] for h in self.heads}), self.heads)
 
     def check_fits(self, num_layers: int, num_heads: int) -> None:
         """Raise ``HeadsDoNotFitModelError`` if a head lies outside a model of this size."""

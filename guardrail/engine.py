@@ -20,12 +20,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from guardrail.config import ModelProbeConfig, load_model_config, read_model_config
 from guardrail.errors import ConfigError, EngineNotGuardableError, GuardrailError
 from guardrail.prompts import PreparedPrompt, RequestLike, prepare_prompt
-from guardrail.scoring import HeadKey, focus_of
+from guardrail.scoring import HeadKey, head_focus
 from guardrail.steering_engine import (
     STEER_ARG,
     SteeringEngineMixin,
@@ -363,7 +361,7 @@ class HookedLLM(SteeringEngineMixin):
         focus = None if error else self.config.focus(heads)
         probe = ProbeResult(
             focus=focus,
-            head_scores={h: float(focus_of(np.asarray(s))) for h, s in heads.items()},
+            head_scores=head_focus(heads),
             head_stats=heads,
             error=error,
             num_prompt_tokens=merged["num_prompt_tokens"],

@@ -80,6 +80,16 @@ def focus_of(stats: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     return stats[..., INSTRUCTION] / (stats[..., INSTRUCTION] + stats[..., DATA] + EPS)
 
 
+def head_focus(head_stats: Mapping[HeadKey, Sequence[float]]) -> dict[HeadKey, float]:
+    """Focus per head from each head's :data:`ATTENTION_STATS`.
+
+    Example:
+        >>> {h: round(f, 4) for h, f in head_focus({(2, 1): [0.3, 0.1, 0.5, 0.1, 1.0]}).items()}
+        {(2, 1): 0.75}
+    """
+    return {h: float(focus_of(np.asarray(s))) for h, s in head_stats.items()}
+
+
 def mean_focus(head_scores: Mapping[HeadKey, float], heads: Sequence[HeadKey]) -> float:
     """The published Attention Tracker score: mean head focus over the important heads.
 

@@ -37,7 +37,9 @@ from guardrail.datasets import (
     pairs_sha256,
     read_split,
     sample_groups,
+    short_crops,
     split_by_group,
+    write_pairs,
     write_split,
 )
 from guardrail.errors import ConfigError, GuardrailError, RequestError
@@ -665,6 +667,30 @@ def _run_split(args: argparse.Namespace, engine: Any) -> int:
     return 0
 
 
+# -- crop -----------------------------------------------------------------------------------
+
+
+def _configure_crop(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", nargs="+", required=True, type=Path)
+    parser.add_argument("--min-chars", type=int, default=60)
+    parser.add_argument("--max-chars", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True, help="JSONL file to write")
+
+
+def _run_crop(args: argparse.Namespace, engine: Any) -> int:
+    pairs, _ = load_pairs(args.data)
+    rows, skipped = short_crops(pairs, args.min_chars, args.max_chars, args.seed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_pairs(args.out, rows)
+    groups = len({p.group for p in rows})
+    print(
+        f"wrote {args.out}: {len(rows)} short rows from {groups} contexts"
+        + (f"; {skipped} injected row(s) without an 'attack' field skipped" if skipped else "")
+    )
+    return 0
+
+
 register(
     Subcommand(
         "calibrate",
@@ -691,6 +717,15 @@ register(
     )
 )
 
+register(
+    Subcommand(
+        "crop",
+        "short-data rows: each context's clean data cropped, its attacks put back in; "
+        "calibrate on them too so short requests are scored right",
+        _configure_crop,
+        _run_crop,
+    )
+)
 register(Subcommand("steer", "build an activation-steering vector", configure_steer, run_steer))
 
 if __name__ == "__main__":  # vLLM spawns worker processes: keep the guard

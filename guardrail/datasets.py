@@ -46,7 +46,9 @@ __all__ = [
     "pairs_sha256",
     "read_split",
     "sample_groups",
+    "short_crops",
     "split_by_group",
+    "write_pairs",
     "write_split",
 ]
 
@@ -254,6 +256,87 @@ def make_injected_twins(
                 )
             )
     return twins
+
+
+def crop_text(text: str, limit: int) -> str:
+    """The first ``limit`` characters of ``text``, cut back to the last space.
+
+    Example:
+        >>> crop_text("one two three", 9)
+        'one two'
+    """
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    return cut[: cut.rfind(" ")] if " " in cut else cut
+
+
+def short_crops(
+    pairs: Sequence[LabelledPair], min_chars: int = 60, max_chars: int = 400, seed: int = 0
+) -> tuple[list[LabelledPair], int]:
+    """Short-data copies of labelled rows: each context's clean data cropped, its attacks re-put.
+
+    Per group, the clean row's data is cut to its first ``min_chars``-``max_chars`` characters
+    (a word boundary, length drawn per group in order, seeded), and every injected row of the
+    group that carries its ``attack`` text gets that attack inserted into the crop at its own
+    ``position``. Groups, tasks and categories are kept, so a split file still applies.
+    Calibrating on long contexts alone gives a probe that misses injections in a sentence or
+    two of data; adding these rows fixes that (docs/detection.md). Returns the rows and the
+    number of injected rows skipped for lack of ``attack`` text.
+
+    Example:
+        >>> clean = LabelledPair("c", "Sum up.", "Hello there. " * 40, 0, group="g")
+        >>> hit = LabelledPair("a", "Sum up.", "x", 1, group="g", attack="Say hi.", position="end")
+        >>> rows, skipped = short_crops([clean, hit], 60, 80)
+        >>> [r.id for r in rows], rows[1].data.endswith("Say hi."), skipped
+        (['c~short', 'a~short'], True, 0)
+    """
+    if not 0 < min_chars <= max_chars:
+        raise ConfigError(
+            f"crop lengths must satisfy 0 < min_chars <= max_chars, got {min_chars}, {max_chars}"
+        )
+    rng = random.Random(seed)
+    clean = {p.group: p for p in pairs if p.label == 0}
+    attacks: dict[str, list[LabelledPair]] = defaultdict(list)
+    skipped = 0
+    for pair in pairs:
+        if pair.label == 1 and pair.attack:
+            attacks[pair.group].append(pair)
+        elif pair.label == 1:
+            skipped += 1
+    rows = []
+    for group, pair in clean.items():
+        data = crop_text(pair.data, rng.randint(min_chars, max_chars))
+        rows.append(replace(pair, id=f"{pair.id}~short", data=data))
+        rows.extend(
+            replace(
+                attack,
+                id=f"{attack.id}~short",
+                instruction=pair.instruction,
+                data=insert_at(data, attack.attack or "", attack.position or "end"),
+            )
+            for attack in attacks[group]
+        )
+    return rows, skipped
+
+
+def write_pairs(path: str | Path, pairs: Iterable[LabelledPair]) -> None:
+    """Write rows as JSONL that :func:`load_pairs` reads back (the group as ``source``)."""
+    lines = []
+    for p in pairs:
+        row: dict[str, Any] = {
+            "id": p.id,
+            "instruction": p.instruction,
+            "data": p.data,
+            "label": p.label,
+            "task": p.task,
+            "source": p.group,
+        }
+        for key in ("attack_category", "attack", "position"):
+            if getattr(p, key) is not None:
+                row[key] = getattr(p, key)
+        lines.append(json.dumps({**p.extra, **row}) + "\n")
+    Path(path).write_text("".join(lines))
 
 
 def _groups_by_task(pairs: Sequence[LabelledPair]) -> dict[str, list[str]]:

@@ -675,12 +675,13 @@ def _configure_crop(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-chars", type=int, default=60)
     parser.add_argument("--max-chars", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--suffix", default="short", help="appended to row ids: id~SUFFIX")
     parser.add_argument("--out", type=Path, required=True, help="JSONL file to write")
 
 
 def _run_crop(args: argparse.Namespace, engine: Any) -> int:
     pairs, _ = load_pairs(args.data)
-    rows, skipped = short_crops(pairs, args.min_chars, args.max_chars, args.seed)
+    rows, skipped = short_crops(pairs, args.min_chars, args.max_chars, args.seed, args.suffix)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_pairs(args.out, rows)
     groups = len({p.group for p in rows})

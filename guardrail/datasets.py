@@ -272,7 +272,11 @@ def crop_text(text: str, limit: int) -> str:
 
 
 def short_crops(
-    pairs: Sequence[LabelledPair], min_chars: int = 60, max_chars: int = 400, seed: int = 0
+    pairs: Sequence[LabelledPair],
+    min_chars: int = 60,
+    max_chars: int = 400,
+    seed: int = 0,
+    suffix: str = "short",
 ) -> tuple[list[LabelledPair], int]:
     """Short-data copies of labelled rows: each context's clean data cropped, its attacks re-put.
 
@@ -282,7 +286,8 @@ def short_crops(
     ``position``. Groups, tasks and categories are kept, so a split file still applies.
     Calibrating on long contexts alone gives a probe that misses injections in a sentence or
     two of data; adding these rows fixes that (docs/detection.md). Returns the rows and the
-    number of injected rows skipped for lack of ``attack`` text.
+    number of injected rows skipped for lack of ``attack`` text. Row ids get ``~suffix``
+    (crop twice with two suffixes for two length ranges).
 
     Example:
         >>> clean = LabelledPair("c", "Sum up.", "Hello there. " * 40, 0, group="g")
@@ -307,11 +312,11 @@ def short_crops(
     rows = []
     for group, pair in clean.items():
         data = crop_text(pair.data, rng.randint(min_chars, max_chars))
-        rows.append(replace(pair, id=f"{pair.id}~short", data=data))
+        rows.append(replace(pair, id=f"{pair.id}~{suffix}", data=data))
         rows.extend(
             replace(
                 attack,
-                id=f"{attack.id}~short",
+                id=f"{attack.id}~{suffix}",
                 instruction=pair.instruction,
                 data=insert_at(data, attack.attack or "", attack.position or "end"),
             )

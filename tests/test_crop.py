@@ -48,6 +48,8 @@ def test_crop_lengths_are_seeded_and_checked():
     first, _ = short_crops(pairs, 60, 400, seed=3)
     again, _ = short_crops(pairs, 60, 400, seed=3)
     assert first == again and len({len(p.data) for p in first}) > 5
+    tiny, _ = short_crops(pairs, 15, 40, seed=3, suffix="tiny")
+    assert tiny[0].id == "c0~tiny" and all(len(p.data) <= 40 for p in tiny)
     assert all(len(p.data) <= 400 for p in first)
     with pytest.raises(ConfigError, match="min_chars <= max_chars"):
         short_crops(pairs, 500, 400)

@@ -515,16 +515,24 @@ def load_detectors(
     """Named probe configs (and layer-sweep entries) from config files or calibration reports."""
     configs: dict[str, ModelProbeConfig] = {}
     sweep: list[dict[str, Any]] = []
+
+    def add(name: str, config: ModelProbeConfig, path: Path) -> None:
+        # two files may give the same label (same stem, same layer count): name them by path
+        if name in configs:
+            name = f"{name} [{path}]"
+        if name in configs:
+            raise ConfigError(f"{path} is given twice to --config; pass each file once")
+        configs[name] = config
+
     for path in paths:
         doc = json.loads(path.read_text())
         if "configs" not in doc:
             config = read_model_config(path)
-            configs[f"{config.probe} ({path.stem})"] = config
+            add(f"{config.probe} ({path.stem})", config, path)
             continue
         for kind, raw in doc["configs"].items():
-            configs[f"{kind} ({len({h[0] for h in raw['heads']})} layers)"] = (
-                ModelProbeConfig.model_validate(raw)
-            )
+            layers = len({h[0] for h in raw["heads"]})
+            add(f"{kind} ({layers} layers)", ModelProbeConfig.model_validate(raw), path)
         sweep += [
             {**e, "config": ModelProbeConfig.model_validate(e["config"])}
             for e in doc.get("layer_sweep", [])

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from guardrail.cli import SUBCOMMANDS, build_parser, main, score_pairs
+from guardrail.cli import SUBCOMMANDS, build_parser, load_detectors, main, score_pairs
 from guardrail.config import read_model_config
 from guardrail.datasets import (
     LabelledPair,
@@ -364,3 +364,18 @@ def test_shipped_smollm2_config_hash_is_its_calibration_rows(smollm2_dir):
     assert config.calibration is not None
     assert config.calibration.num_examples == len(kept)
     assert config.calibration.sha256 == pairs_sha256(kept)
+
+
+def test_evaluate_keeps_two_configs_with_the_same_file_name_apart(tmp_path):
+    shipped = REPO / "model_configs" / "SmolLM2-135M-Instruct.json"
+    doc = json.loads(shipped.read_text())
+    paths = []
+    for name, threshold in (("a", 0.1), ("b", 0.2)):
+        (tmp_path / name).mkdir()
+        paths.append(tmp_path / name / shipped.name)
+        paths[-1].write_text(json.dumps({**doc, "threshold": threshold}))
+    configs, _ = load_detectors(paths)
+    assert [c.threshold for c in configs.values()] == [0.1, 0.2]
+    assert list(configs)[1] == f"logistic (SmolLM2-135M-Instruct) [{paths[1]}]"
+    with pytest.raises(ConfigError, match="given twice"):
+        load_detectors([paths[0], paths[0], paths[0]])

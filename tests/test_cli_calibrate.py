@@ -348,7 +348,7 @@ def test_held_out_split_matches_the_data_and_is_disjoint_by_context():
 
 
 @pytest.mark.slow
-def test_shipped_smollm2_config_hash_is_its_calibration_rows(smollm2_dir):
+def test_shipped_smollm2_config_hash_is_its_calibration_rows(smollm2_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from guardrail.datasets import sample_groups
@@ -356,7 +356,16 @@ def test_shipped_smollm2_config_hash_is_its_calibration_rows(smollm2_dir):
 
     config = read_model_config(REPO / "model_configs" / "SmolLM2-135M-Instruct.json")
     held = read_split(SPLIT)
-    rows = sample_groups([p for p in bipia_rows() if p.group not in held], 60, seed=0)
+    generic = tmp_path / "bipia_generic.jsonl"  # the everyday-format rows, rebuilt by their script
+    files = [BIPIA / f"bipia_{task}_train_pairs.jsonl" for task in ("email", "code", "table")]
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "make_generic_rows.py"), "--data"]
+        + [str(f) for f in files]
+        + ["--out", str(generic)],
+        check=True,
+    )
+    pairs = bipia_rows() + load_pairs(generic)[0]
+    rows = sample_groups([p for p in pairs if p.group not in held], 60, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
     kept = [
         p for p in rows if len(prepare_prompt((p.instruction, p.data), tokenizer).token_ids) <= 2048

@@ -729,8 +729,8 @@ register(
 register(
     Subcommand(
         "crop",
-        "short-data rows: each context's clean data cropped, its attacks put back in; "
-        "calibrate on them too so short requests are scored right",
+        "short-data rows: each context's clean data cropped, its attacks put back in "
+        "(calibrate on them too when your traffic has short data)",
         _configure_crop,
         _run_crop,
     )

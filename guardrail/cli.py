@@ -347,8 +347,8 @@ def _configure_calibrate(parser: argparse.ArgumentParser) -> None:
         choices=["logit_focus", "attention_stats", "focus"],
         default="logit_focus",
         help="what the logistic probe weighs per head (default: logit of its focus; "
-        "attention_stats: five stats per head, better when the calibration rows match your "
-        "traffic's data lengths, see docs/detection.md)",
+        "attention_stats: five stats per head, higher AUROC on rows like the calibration rows "
+        "but it transferred worse to other prompt formats, see docs/detection.md)",
     )
     parser.add_argument("--threshold-rule", choices=["fpr", "midpoint"], default="fpr")
     parser.add_argument("--target-fpr", type=float, default=0.01)

@@ -322,11 +322,14 @@ BIPIA = REPO.parent / "shared" / "data" / "bipia"
 SPLIT = REPO / "docs" / "bipia_heldout_split.json"
 
 
-def bipia_rows() -> list[LabelledPair]:
+def bipia_files() -> list[Path]:
     if not BIPIA.is_dir():
         pytest.skip("shared BIPIA data not beside the checkout")
-    files = [BIPIA / f"bipia_{task}_train_pairs.jsonl" for task in ("email", "code", "table")]
-    return load_pairs(files)[0]
+    return [BIPIA / f"bipia_{task}_train_pairs.jsonl" for task in ("email", "code", "table")]
+
+
+def bipia_rows() -> list[LabelledPair]:
+    return load_pairs(bipia_files())[0]
 
 
 def test_shipped_smollm2_config_is_a_sparse_calibrated_logistic_probe():
@@ -356,16 +359,15 @@ def test_shipped_smollm2_config_hash_is_its_calibration_rows(smollm2_dir, tmp_pa
 
     config = read_model_config(REPO / "model_configs" / "SmolLM2-135M-Instruct.json")
     held = read_split(SPLIT)
-    bipia = bipia_rows()  # skips when the shared data is not beside the checkout
+    files = bipia_files()  # skips when the shared data is not beside the checkout
     generic = tmp_path / "bipia_generic.jsonl"  # the everyday-format rows, rebuilt by their script
-    files = [BIPIA / f"bipia_{task}_train_pairs.jsonl" for task in ("email", "code", "table")]
     subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "make_generic_rows.py"), "--data"]
         + [str(f) for f in files]
         + ["--out", str(generic)],
         check=True,
     )
-    pairs = bipia + load_pairs(generic)[0]
+    pairs = load_pairs([*files, generic])[0]
     rows = sample_groups([p for p in pairs if p.group not in held], 60, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
     kept = [

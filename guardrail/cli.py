@@ -572,7 +572,12 @@ def _measure(
     }
     fields = {
         "detectors": evaluate_detectors(
-            labels, [p.task for p in pairs], attributes, detectors, bootstrap=True
+            labels,
+            [p.task for p in pairs],
+            attributes,
+            detectors,
+            bootstrap=True,
+            groups=[p.group for p in pairs],
         ),
         "operating_points": {
             name: _operating_point(focus[name], labels, c.threshold)

@@ -29,6 +29,7 @@ __all__ = [
     "keyword_score",
     "markdown_report",
     "markdown_table",
+    "paired_win_rate",
     "plot_layer_sweep",
     "plot_roc",
     "roc_curve",
@@ -162,6 +163,32 @@ def detection_metrics(
     }
     out.update({k: None if np.isnan(v) else round(v, 4) for k, v in values.items()})
     return out
+
+
+def paired_win_rate(
+    labels: Sequence[int] | np.ndarray,
+    scores: Sequence[float] | np.ndarray,
+    groups: Sequence[str],
+) -> float | None:
+    """Share of injected rows scoring above the clean row(s) of their own group (ties half).
+
+    A group is one clean context and its injected twins, so this asks "does inserting the
+    injection raise the score of *this* request?", free of the differences between contexts
+    and instructions that AUROC over all rows mixes in. None when no group has both kinds.
+
+    Example:
+        >>> paired_win_rate([0, 1, 1, 0, 1], [0.5, 0.9, 0.4, 0.1, 0.1], ["a", "a", "a", "b", "b"])
+        0.5
+    """
+    y, s = _as_arrays(labels, scores)
+    group_arr = np.asarray(groups, dtype=object)
+    wins: list[float] = []
+    for group in sorted(set(groups)):
+        mask = group_arr == group
+        clean, injected = s[mask & (y == 0)], s[mask & (y == 1)]
+        for value in injected:
+            wins += [1.0 if value > c else 0.5 if value == c else 0.0 for c in clean]
+    return round(float(np.mean(wins)), 4) if wins else None
 
 
 def bootstrap_interval(
@@ -314,11 +341,13 @@ def evaluate_detectors(
     attributes: Mapping[str, Sequence[str | None]],
     detectors: Mapping[str, Sequence[float]],
     bootstrap: bool = False,
+    groups: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Grouped metrics for several detectors scored on the same rows (name -> scores).
 
     With ``bootstrap``, the overall metrics also carry 95 % bootstrap intervals of AUROC and
-    of TPR at 1 % FPR (``auroc_ci``, ``tpr@1%fpr_ci``).
+    of TPR at 1 % FPR (``auroc_ci``, ``tpr@1%fpr_ci``); with ``groups`` (the source context
+    of each row), the :func:`paired_win_rate` (``paired``).
 
     Example:
         >>> r = evaluate_detectors([0, 1], ["t", "t"], {}, {"probe": [0.2, 0.7]})
@@ -336,6 +365,9 @@ def evaluate_detectors(
             overall["tpr@1%fpr_ci"] = bootstrap_interval(
                 labels, scores, lambda y, s: tpr_at_fpr(y, s, 0.01)
             )
+    if groups is not None:
+        for name, scores in detectors.items():
+            report[name]["overall"]["paired"] = paired_win_rate(labels, scores, groups)
     return report
 
 
@@ -358,9 +390,20 @@ def markdown_report(report: Mapping[str, Any], primary: str) -> str:
         "## Overall",
         "",
         markdown_table(
-            {n: d["overall"] for n, d in detectors.items()}, (*_COLUMNS, "auroc_ci", "tpr@1%fpr_ci")
+            {n: d["overall"] for n, d in detectors.items()},
+            (*_COLUMNS, "auroc_ci", "tpr@1%fpr_ci", "paired"),
         ),
+        "",
+        "`paired`: share of injected rows scoring above the clean row of their own source "
+        "context (1.0 = inserting the injection always raised the score).",
     ]
+    if report.get("operating_points"):
+        parts += [
+            "",
+            "## At each config's own threshold",
+            "",
+            markdown_table(report["operating_points"], ("threshold", "fpr", "tpr")),
+        ]
     tasks = sorted({t for d in detectors.values() for t in d["task"]})
     parts += [
         "",

@@ -15,6 +15,7 @@ from guardrail.evaluation import (
     grouped_metrics,
     keyword_score,
     markdown_report,
+    paired_win_rate,
     plot_layer_sweep,
     plot_roc,
     roc_curve,
@@ -87,6 +88,23 @@ def test_grouped_metrics_compare_each_attack_kind_with_all_clean_rows():
     assert start["auroc"] == pytest.approx(reference, abs=1e-4)  # reports round to 4 places
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_paired_win_rate_compares_each_injected_row_with_its_own_clean_row(seed):
+    rng = np.random.default_rng(seed)
+    groups = [f"g{i // 4}" for i in range(40)]  # one clean row, three injected per group
+    labels = np.array([0 if i % 4 == 0 else 1 for i in range(40)])
+    scores = np.round(rng.normal(labels * 0.5 + np.repeat(rng.normal(0, 3, 10), 4), 1), 0)
+    expected = []
+    for i in range(40):
+        if labels[i]:
+            clean = scores[(i // 4) * 4]
+            expected.append(1.0 if scores[i] > clean else 0.5 if scores[i] == clean else 0.0)
+    assert paired_win_rate(labels, scores, groups) == pytest.approx(np.mean(expected), abs=1e-4)
+    # the group offsets (spread 3) swamp the label effect across groups but not within them
+    assert paired_win_rate(labels, scores, groups) > auroc(labels, scores) - 0.05
+    assert paired_win_rate([0, 1], [0.1, 0.9], ["a", "b"]) is None  # no group has both
+
+
 @pytest.mark.parametrize(
     "text, hit",
     [
@@ -107,7 +125,10 @@ def test_report_and_plots(tmp_path):
     tasks = ["email" if i % 2 else "table" for i in range(len(labels))]
     category = ["Persuasion" if lab else None for lab in labels]
     detectors = {"logistic": scores, "keyword baseline": np.zeros(len(scores))}
-    results = evaluate_detectors(labels, tasks, {"attack_category": category}, detectors)
+    groups = [f"g{i // 2}" for i in range(len(labels))]
+    results = evaluate_detectors(
+        labels, tasks, {"attack_category": category}, detectors, groups=groups
+    )
     sweep = [
         {
             "num_layers": k,
@@ -118,11 +139,20 @@ def test_report_and_plots(tmp_path):
         for k in (1, 2)
     ]
     text = markdown_report(
-        {"title": "T", "summary": ["s"], "detectors": results, "layer_sweep": sweep},
+        {
+            "title": "T",
+            "summary": ["s"],
+            "detectors": results,
+            "layer_sweep": sweep,
+            "operating_points": {"logistic": {"threshold": 0.25, "fpr": 0.1, "tpr": 0.6}},
+        },
         primary="logistic",
     )
     assert "| logistic |" in text and "| Persuasion |" in text and "| 2 layers |" in text
     assert f"{auroc(labels, scores):.3f}" in text
+    paired = paired_win_rate(labels, scores, groups)
+    assert results["logistic"]["overall"]["paired"] == paired and f"{paired:.3f}" in text
+    assert "| logistic | 0.250 | 0.100 | 0.600 |" in text  # the operating point
     for path in (
         plot_roc({k: (labels, v) for k, v in detectors.items()}, tmp_path / "roc.png", "T"),
         plot_layer_sweep(sweep, tmp_path / "layers.png", "T"),

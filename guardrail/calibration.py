@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from guardrail.errors import ConfigError
 from guardrail.evaluation import auroc, tpr_at_fpr
 from guardrail.scoring import FEATURES_PER_HEAD, FeatureKind, HeadKey, focus_of, head_features
 
@@ -394,6 +395,7 @@ class CalibrationSettings:
     threshold_rule: str = "fpr"  # "fpr" (at target_fpr) or "midpoint"
     max_layers: int = 6
     budget_tolerance: float = 0.005
+    budget: int | str = "auto"  # "auto" (fewest layers near the best), "all", or a layer count
     probe: str = "auto"  # "auto", "logistic" or "mean_focus"
     feature: FeatureKind = "logit_focus"  # what the logistic probe weighs per head
     folds: int = 5
@@ -483,14 +485,29 @@ def _logistic_sweep(
                 "probe": probe,
             }
         )
-    budget = choose_budget(steps, settings.budget_tolerance)
-    picked = sweep[steps.index(budget)]
+    if settings.budget == "all":
+        picked = sweep[-1]
+        how = f"over all layers ({len(picked['layers'])} kept by L1)"
+    elif settings.budget == "auto":
+        budget = choose_budget(steps, settings.budget_tolerance)
+        picked = sweep[steps.index(budget)]
+        how = (
+            f"over {len(budget.layers)} greedily chosen layers (sweep up to "
+            f"{settings.max_layers}, within {settings.budget_tolerance} CV AUROC of the best)"
+        )
+    else:
+        wanted = int(settings.budget)
+        if not 1 <= wanted <= len(steps):
+            raise ConfigError(
+                f"layer budget {wanted} is outside the sweep (1 to {len(steps)} layers); "
+                "raise max_layers or pick a smaller budget"
+            )
+        picked = sweep[wanted - 1]
+        how = f"over {wanted} greedily chosen layers (budget set by the user)"
     chosen = {
         **picked["probe"],
         "cv_auroc": picked["cv_auroc"],
-        "notes": f"L1 logistic on {settings.feature} over {len(budget.layers)} greedily "
-        f"chosen layers (sweep up to {settings.max_layers}, within "
-        f"{settings.budget_tolerance} CV AUROC of the best), C={budget.c}; "
+        "notes": f"L1 logistic on {settings.feature} {how}, C={picked['c']}; "
         "thresholds on out-of-fold focus",
     }
     return sweep, chosen

@@ -353,8 +353,24 @@ def _configure_calibrate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold-rule", choices=["fpr", "midpoint"], default="fpr")
     parser.add_argument("--target-fpr", type=float, default=0.01)
     parser.add_argument("--max-layers", type=int, default=6, help="largest layer budget swept")
+    parser.add_argument(
+        "--layers",
+        type=_layer_budget,
+        default="auto",
+        help="hooked-layer budget of the written config: auto (the fewest layers within 0.005 "
+        "CV AUROC of the best, default), all (L1 over every layer), or a number of layers "
+        "(the sweep's step with that many; the report lists them all)",
+    )
     parser.add_argument("--folds", type=int, default=5, help="cross-validation folds (by group)")
     parser.add_argument("--report", type=Path, help="write the full calibration report (JSON)")
+
+
+def _layer_budget(text: str) -> int | str:
+    if text in ("auto", "all"):
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected auto, all or a number of layers >= 1, got {text!r}")
 
 
 def probe_config(
@@ -410,13 +426,14 @@ def _fit(
     settings = CalibrationSettings(
         target_fpr=args.target_fpr,
         threshold_rule=args.threshold_rule,
-        max_layers=args.max_layers,
+        max_layers=max(args.max_layers, args.layers if isinstance(args.layers, int) else 0),
+        budget=args.layers,
         probe=args.probe,
         feature=args.feature,
         folds=args.folds,
         seed=args.seed,
     )
-    with tqdm(total=args.max_layers, desc="layer sweep", unit="layer") as bar:
+    with tqdm(total=settings.max_layers, desc="layer sweep", unit="layer") as bar:
         return calibrate_probes(
             table.values,
             labels,

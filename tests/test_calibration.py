@@ -227,3 +227,26 @@ def test_calibrate_probes_returns_valid_configs_and_thresholds():
         assert set(probe["thresholds"]) == {"midpoint", "fpr@0.01", "fpr@0.05"}
         assert config.threshold == pytest.approx(probe["thresholds"]["fpr@0.05"])
         assert config.layers and len(config.layers) <= LAYERS
+
+
+@pytest.mark.parametrize("budget", ["all", 2])
+def test_a_layer_budget_picks_that_step_of_the_sweep(budget):
+    # a weak signal on every layer: more layers help, so the choice is visible
+    informative = {(layer, 0): 0.04 for layer in range(LAYERS)}
+    scores, labels, groups = synthetic(n_groups=80, informative=informative)
+    settings = CalibrationSettings(max_layers=2, folds=3, probe="logistic", budget=budget)
+    result = calibrate_probes(as_stats(scores), labels, GRID, groups, settings)
+    entry = result["layer_sweep"][-1 if budget == "all" else 1]
+    chosen = result["probes"]["logistic"]
+    assert chosen["heads"] == entry["probe"]["heads"]
+    assert chosen["weights"] == entry["probe"]["weights"]
+    assert chosen["cv_auroc"] == entry["cv_auroc"]
+    if budget == "all":
+        assert len({layer for layer, _ in chosen["heads"]}) > 2
+
+
+def test_a_layer_budget_outside_the_sweep_is_refused():
+    scores, labels, groups = synthetic(n_groups=20)
+    settings = CalibrationSettings(max_layers=1, folds=3, budget=3)
+    with pytest.raises(ValueError, match="layer budget 3 is outside the sweep"):
+        calibrate_probes(as_stats(scores), labels, GRID, groups, settings)

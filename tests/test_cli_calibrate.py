@@ -71,6 +71,18 @@ def test_subcommand_registry():
         build_parser().parse_args(["calibrate"])  # --data and --out are required
 
 
+@pytest.mark.parametrize("value, parsed", [("auto", "auto"), ("all", "all"), ("3", 3)])
+def test_layer_budget_argument(value, parsed):
+    args = build_parser().parse_args(["calibrate", "--data", "x", "--out", "o", "--layers", value])
+    assert args.layers == parsed
+
+
+def test_a_bad_layer_budget_says_what_is_accepted(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["calibrate", "--data", "x", "--out", "o", "--layers", "0"])
+    assert "expected auto, all or a number of layers >= 1, got '0'" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(900)
 def test_calibrate_then_evaluate_on_the_tiny_model(tiny_engine, tiny_llama_dir, tmp_path):
     rows = write_rows(tmp_path / "rows.jsonl", labelled=True)

@@ -200,11 +200,13 @@ def score_pairs(
     batch_size: int = 32,
     max_prompt_tokens: int | None = None,
     model: str = "",
+    checkpoint: Callable[[ScoreTable, list[dict[str, str]]], None] | None = None,
 ) -> tuple[ScoreTable, list[dict[str, str]]]:
     """Per-head attention stats of each row through the engine's probe; also the rows it skipped.
 
     Rows longer than ``max_prompt_tokens`` or the engine's context, and rows the probe could
-    not score, are skipped and listed with the reason.
+    not score, are skipped and listed with the reason. ``checkpoint`` is called after every
+    batch with what was scored so far (the score cache saves it, so a stopped run resumes).
     """
     heads = list(engine.probe_heads)
     keys, values, prompt_tokens, data_tokens = [], [], [], []
@@ -242,16 +244,28 @@ def score_pairs(
             prompt_tokens.append(probe.num_prompt_tokens)
             data_tokens.append(sum(b - a for a, b in out.prompt.data_spans))
         bar.update(len(chunk))
+        if checkpoint is not None and start + batch_size < len(todo):
+            checkpoint(_table(model, heads, keys, values, prompt_tokens, data_tokens), skipped)
     bar.close()
-    table = ScoreTable(
+    return _table(model, heads, keys, values, prompt_tokens, data_tokens), skipped
+
+
+def _table(
+    model: str,
+    heads: list[HeadKey],
+    keys: list[str],
+    values: list[list[Any]],
+    prompt_tokens: list[int],
+    data_tokens: list[int],
+) -> ScoreTable:
+    return ScoreTable(
         model,
         heads,
-        keys,
+        list(keys),
         np.asarray(values, dtype=float).reshape(-1, len(heads), len(ATTENTION_STATS)),
         np.asarray(prompt_tokens),
         np.asarray(data_tokens),
     )
-    return table, skipped
 
 
 def scores_for(
@@ -291,17 +305,30 @@ def scores_for(
         wanted = "all" if args.scores_cache else heads
         own = engine is None
         engine = engine or open_engine(model, wanted, args)
+        by_id = {p.id: content_key(p) for p in missing}
+        known = cache
+
+        def with_known(fresh: ScoreTable, new_skips: list[dict[str, str]]) -> ScoreTable:
+            fresh.skipped = {by_id[row["id"]]: row["reason"] for row in new_skips}
+            return fresh if known is None else known.merged(fresh)
+
+        def save_progress(fresh: ScoreTable, new_skips: list[dict[str, str]]) -> None:
+            with_known(fresh, new_skips).save(args.scores_cache)
+
         try:
             fresh, new_skips = score_pairs(
-                engine, missing, args.batch_size, args.max_prompt_tokens, model
+                engine,
+                missing,
+                args.batch_size,
+                args.max_prompt_tokens,
+                model,
+                checkpoint=save_progress if args.scores_cache else None,
             )
         finally:
             if own:
                 engine.close()
-        by_id = {p.id: content_key(p) for p in missing}
-        fresh.skipped = {by_id[row["id"]]: row["reason"] for row in new_skips}
         skipped += new_skips
-        cache = fresh if cache is None else cache.merged(fresh)
+        cache = with_known(fresh, new_skips)
         if args.scores_cache:
             cache.save(args.scores_cache)
     assert cache is not None

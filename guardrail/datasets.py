@@ -385,14 +385,17 @@ def sample_groups(
 ) -> list[LabelledPair]:
     """Keep at most ``max_groups_per_task`` groups of each task (all rows of a kept group).
 
+    Each task draws from its own generator (seeded by ``seed`` and the task name), so adding
+    rows of other tasks never changes which groups of a task are kept.
+
     Example:
         >>> rows = [LabelledPair(str(i), "Q", "d", 0, group=f"g{i}") for i in range(5)]
         >>> len(sample_groups(rows, 2))
         2
     """
-    rng = random.Random(seed)
     keep: set[str] = set()
-    for groups in _groups_by_task(pairs).values():
+    for task, groups in _groups_by_task(pairs).items():
+        rng = random.Random(f"{seed}:{task}")
         keep.update(rng.sample(groups, min(max_groups_per_task, len(groups))))
     return [p for p in pairs if p.group in keep]
 

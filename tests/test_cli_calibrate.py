@@ -19,6 +19,7 @@ from guardrail.cli import SUBCOMMANDS, build_parser, load_detectors, main, score
 from guardrail.config import read_model_config
 from guardrail.datasets import (
     LabelledPair,
+    ScoreTable,
     insert_at,
     load_pairs,
     make_injected_twins,
@@ -154,6 +155,42 @@ def test_calibrate_then_evaluate_on_the_tiny_model(tiny_engine, tiny_llama_dir, 
     )
 
 
+class StopsAfter:
+    """The real engine, interrupted (as by Ctrl-C) after ``calls`` score calls; counts rows."""
+
+    def __init__(self, engine, calls: int | None = None):
+        self.engine, self.calls, self.rows = engine, calls, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def score(self, requests):
+        if self.calls is not None:
+            if self.calls == 0:
+                raise KeyboardInterrupt
+            self.calls -= 1
+        self.rows += len(requests)
+        return self.engine.score(requests)
+
+
+def test_a_stopped_scoring_run_resumes_from_the_cache(tiny_engine, tmp_path):
+    import argparse
+
+    from guardrail.cli import scores_for
+
+    pairs = write_rows(tmp_path / "rows.jsonl", labelled=True)  # 18 rows
+    cache = tmp_path / "scores.npz"
+    args = argparse.Namespace(scores_cache=cache, batch_size=4, max_prompt_tokens=None)
+    with pytest.raises(KeyboardInterrupt):
+        scores_for(pairs, args, "tiny", "all", StopsAfter(tiny_engine, calls=2))
+    assert len(ScoreTable.load(cache).keys) == 8  # two batches were saved as they finished
+    resumed = StopsAfter(tiny_engine)
+    kept, table, skipped, _ = scores_for(pairs, args, "tiny", "all", resumed)
+    assert resumed.rows == 10 and not skipped and len(kept) == 18
+    reference, _ = score_pairs(tiny_engine, kept)  # one uninterrupted pass
+    np.testing.assert_allclose(table.values, reference.values, atol=1e-5)
+
+
 def test_calibrate_from_benign_pairs_alone(tiny_engine, tiny_llama_dir, tmp_path):
     write_rows(tmp_path / "benign.jsonl", labelled=False)
     cache = tmp_path / "scores.npz"
@@ -278,6 +315,17 @@ def test_bipia_style_rows_group_by_source_context(tmp_path):
     kept, held = split_by_group(pairs, 0.3, seed=2)
     assert len(held) == 12 and not {p.group for p in kept} & {p.group for p in held}
     assert all(sum(p.group == g for p in held) == 4 for g in {p.group for p in held})
+
+
+def test_a_task_sample_does_not_depend_on_other_tasks_rows():
+    from guardrail.datasets import sample_groups
+
+    table = [LabelledPair(f"t{i}", "Q", "d", 0, task="table", group=f"t{i}") for i in range(50)]
+    other = [LabelledPair(f"a{i}", "Q", "d", 0, task="api", group=f"a{i}") for i in range(9)]
+    alone = {p.group for p in sample_groups(table, 10, seed=3)}
+    mixed = {p.group for p in sample_groups(other + table, 10, seed=3) if p.task == "table"}
+    assert alone == mixed and len(alone) == 10
+    assert alone != {p.group for p in sample_groups(table, 10, seed=4)}
 
 
 def test_split_file_round_trip(tmp_path):

@@ -395,7 +395,10 @@ def markdown_report(report: Mapping[str, Any], primary: str) -> str:
         ),
         "",
         "`paired`: share of injected rows scoring above the clean row of their own source "
-        "context (1.0 = inserting the injection always raised the score).",
+        "context (1.0 = inserting the injection always raised the score). An injected copy "
+        "is always longer than its clean row, so data length alone scores 1.0 here: a high "
+        "`paired` shows the within-context comparison is easy, not that a detector reads the "
+        "injection itself.",
     ]
     if report.get("operating_points"):
         parts += [

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from guardrail.config import Calibration, ModelProbeConfig
 from guardrail.errors import ConfigError
 from guardrail.evaluation import auroc, tpr_at_fpr
 from guardrail.scoring import FEATURES_PER_HEAD, FeatureKind, HeadKey, focus_of, head_features
@@ -545,4 +546,52 @@ def calibrate_probes(
         "selection_n": choice.n,
         "layer_sweep": sweep,
         "folds": settings.folds,
+    }
+
+
+def retarget_threshold(
+    config: ModelProbeConfig, clean_focus: np.ndarray, target_fpr: float, source: str, sha256: str
+) -> tuple[ModelProbeConfig, dict[str, float]]:
+    """``config`` with its threshold re-set on clean rows of the user's own traffic.
+
+    The probe (heads, weights) is kept; the threshold becomes the one that flags at most
+    ``target_fpr`` of ``clean_focus`` (the focus of clean requests, scored with this config).
+    Thresholds at 1 % and 5 % are recorded too, under ``traffic fpr@...``, with the rows'
+    description and hash in the notes, so the file says where its operating point came from.
+    Returns (new config, {"before": share of these rows the old threshold flagged, ...}).
+
+    Example:
+        >>> cfg = ModelProbeConfig(model_id="m", heads=[(0, 0)], threshold=0.5)
+        >>> new, info = retarget_threshold(cfg, np.linspace(0.2, 0.9, 100), 0.05, "mine", "ab")
+        >>> round(new.threshold, 4), info["flagged_before"]
+        (0.2318, 0.43)
+    """
+    clean_focus = np.asarray(clean_focus, dtype=float)
+    if clean_focus.size == 0:
+        raise ConfigError("re-setting a threshold needs clean rows (label 0, or unlabelled rows)")
+    labels = np.zeros(len(clean_focus), dtype=int)
+    values = {
+        f"traffic fpr@{fpr:g}": round(threshold_at_fpr(clean_focus, labels, fpr), 6)
+        for fpr in sorted({target_fpr, 0.01, 0.05})
+    }
+    threshold = values[f"traffic fpr@{target_fpr:g}"]
+    calibration = config.calibration or Calibration(dataset="", num_examples=0, sha256="")
+    note = (
+        f"threshold re-set to {threshold:.6f} (was {config.threshold}) at {target_fpr:g} FPR on "
+        f"{len(clean_focus)} clean rows of {source} (sha256 {sha256})"
+    )
+    new_calibration = calibration.model_copy(
+        update={
+            "thresholds": {**calibration.thresholds, **values},
+            "notes": f"{calibration.notes}; {note}" if calibration.notes else note,
+        }
+    )
+    new = config.model_copy(update={"threshold": threshold, "calibration": new_calibration})
+    before = (
+        float(np.mean(clean_focus <= config.threshold)) if config.threshold is not None else None
+    )
+    return ModelProbeConfig.model_validate(new.model_dump()), {
+        "threshold": threshold,
+        "flagged_before": round(before, 4) if before is not None else float("nan"),
+        "flagged_after": round(float(np.mean(clean_focus <= threshold)), 4),
     }

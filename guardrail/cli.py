@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from guardrail.calibration import CalibrationSettings, calibrate_probes
+from guardrail.calibration import CalibrationSettings, calibrate_probes, retarget_threshold
 from guardrail.config import Calibration, ModelProbeConfig, read_model_config
 from guardrail.datasets import (
     LabelledPair,
@@ -749,6 +749,50 @@ def _run_crop(args: argparse.Namespace, engine: Any) -> int:
     return 0
 
 
+# -- threshold -----------------------------------------------------------------------------
+
+
+def _configure_threshold(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--config", type=Path, required=True, help="model config to re-threshold")
+    parser.add_argument("--out", type=Path, required=True, help="config file to write")
+    parser.add_argument(
+        "--target-fpr",
+        type=float,
+        default=0.01,
+        help="share of these clean rows the new threshold may flag (default 0.01)",
+    )
+
+
+def _run_threshold(args: argparse.Namespace, engine: Any) -> int:
+    if not 0.0 <= args.target_fpr < 1.0:
+        raise ConfigError(f"--target-fpr must be in [0, 1), got {args.target_fpr}")
+    config = read_model_config(args.config)
+    model, _ = resolve_model(args.model)
+    pairs, _ = load_pairs(args.data)  # unlabelled rows load as label 0: all clean
+    if args.max_groups_per_task:
+        pairs = sample_groups(pairs, args.max_groups_per_task, args.seed)
+    clean = [p for p in pairs if p.label == 0]
+    if not clean:
+        raise ConfigError(
+            f"no clean rows in {', '.join(str(p) for p in args.data)}: the threshold is set on "
+            "clean requests (label 0, or rows without labels)"
+        )
+    clean, table, skipped, _ = scores_for(clean, args, model, config.heads, engine)
+    source = ", ".join(p.name for p in args.data)
+    new, info = retarget_threshold(
+        config, _focus(config, table), args.target_fpr, source, pairs_sha256(clean)
+    )
+    write_json(args.out, new.model_dump(mode="json"))
+    read_model_config(args.out)  # what was written loads and validates
+    print(
+        f"wrote {args.out}: threshold {info['threshold']:.4f} (was {config.threshold}) on "
+        f"{len(clean)} clean rows ({len(skipped)} skipped); the old threshold flagged "
+        f"{info['flagged_before']:.1%} of them, the new one flags {info['flagged_after']:.1%}"
+    )
+    return 0
+
+
 register(
     Subcommand(
         "calibrate",
@@ -782,6 +826,15 @@ register(
         "(calibrate on them too when your traffic has short data)",
         _configure_crop,
         _run_crop,
+    )
+)
+register(
+    Subcommand(
+        "threshold",
+        "re-set a model config's threshold on clean requests of your own traffic "
+        "(keeps its heads and weights)",
+        _configure_threshold,
+        _run_threshold,
     )
 )
 register(Subcommand("steer", "build an activation-steering vector", configure_steer, run_steer))

@@ -250,3 +250,22 @@ def test_a_layer_budget_outside_the_sweep_is_refused():
     settings = CalibrationSettings(max_layers=1, folds=3, budget=3)
     with pytest.raises(ValueError, match="layer budget 3 is outside the sweep"):
         calibrate_probes(as_stats(scores), labels, GRID, groups, settings)
+
+
+def test_retarget_threshold_keeps_the_probe_and_flags_at_most_the_target_share():
+    from guardrail.calibration import retarget_threshold
+
+    config = ModelProbeConfig(
+        model_id="m", probe="logistic", heads=[(0, 0), (1, 2)], weights=[1.0, -2.0], bias=0.3,
+        threshold=0.6,
+    )  # fmt: skip
+    clean = np.random.default_rng(0).uniform(0.1, 0.95, 400)
+    new, info = retarget_threshold(config, clean, 0.02, "mine.jsonl", "abc")
+    assert (new.heads, new.weights, new.bias) == (config.heads, config.weights, config.bias)
+    assert np.mean(clean <= new.threshold) <= 0.02 < np.mean(clean <= new.threshold + 0.01)
+    assert info["flagged_before"] == pytest.approx(np.mean(clean <= 0.6), abs=1e-4)
+    assert new.calibration.thresholds["traffic fpr@0.02"] == pytest.approx(new.threshold)
+    assert {"traffic fpr@0.01", "traffic fpr@0.05"} <= set(new.calibration.thresholds)
+    assert "400 clean rows of mine.jsonl (sha256 abc)" in new.calibration.notes
+    with pytest.raises(ValueError, match="needs clean rows"):
+        retarget_threshold(config, np.array([]), 0.01, "x", "y")

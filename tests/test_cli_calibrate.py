@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from guardrail.cli import SUBCOMMANDS, build_parser, load_detectors, main, score_pairs
-from guardrail.config import read_model_config
+from guardrail.config import ModelProbeConfig, read_model_config
 from guardrail.datasets import (
     LabelledPair,
     ScoreTable,
@@ -190,6 +190,37 @@ def test_a_stopped_scoring_run_resumes_from_the_cache(tiny_engine, tmp_path):
     assert resumed.rows == 10 and not skipped and len(kept) == 18
     reference, _ = score_pairs(tiny_engine, kept)  # one uninterrupted pass
     np.testing.assert_allclose(table.values, reference.values, atol=1e-5)
+
+
+def test_threshold_is_re_set_on_clean_rows_of_the_users_traffic(
+    tiny_engine, tiny_llama_dir, tmp_path, capsys
+):
+    from guardrail.calibration import threshold_at_fpr
+
+    rows = write_rows(tmp_path / "mine.jsonl", labelled=True)  # 6 clean, 12 injected
+    config = ModelProbeConfig(model_id="tiny/llama", heads=[(0, 0), (1, 1)], threshold=0.99)
+    (tmp_path / "cfg.json").write_text(config.model_dump_json())
+    out = tmp_path / "mine" / "cfg.json"
+    args = ["threshold", "--config", str(tmp_path / "cfg.json"), "--out", str(out)]
+    data = ["--data", str(tmp_path / "mine.jsonl"), *engine_args(tiny_llama_dir)]
+    assert main([*args, *data, "--target-fpr", "0.2"], engine=tiny_engine) == 0
+    new = read_model_config(out)
+    # independent reference: the clean rows' focus from the probe's own head scores
+    clean = [r for r in rows if r.label == 0]
+    table, _ = score_pairs(tiny_engine, clean)
+    focus = np.array([config.focus(dict(zip(table.heads, v, strict=True))) for v in table.values])
+    expected = threshold_at_fpr(focus, np.zeros(len(focus), dtype=int), 0.2)
+    assert new.threshold == pytest.approx(expected, abs=1e-6)
+    assert np.mean(focus <= new.threshold) <= 0.2 and new.heads == config.heads
+    assert "6 clean rows" in capsys.readouterr().out
+    # rows without a clean one: a clear error, nothing written
+    injected = tmp_path / "attacks.jsonl"
+    lines = (tmp_path / "mine.jsonl").read_text().splitlines()
+    injected.write_text("\n".join(x for x in lines if '"label": 1' in x) + "\n")
+    bad = ["--data", str(injected), *engine_args(tiny_llama_dir)]
+    args[-1] = str(tmp_path / "never.json")
+    assert main([*args, *bad], engine=tiny_engine) == 2
+    assert "no clean rows" in capsys.readouterr().err and not (tmp_path / "never.json").exists()
 
 
 def test_calibrate_from_benign_pairs_alone(tiny_engine, tiny_llama_dir, tmp_path):

@@ -5,6 +5,7 @@ adding its arguments and a function running it; add one with :func:`register`.
 
     guardrail calibrate --data pairs.jsonl --out model_configs/        # embedded SmolLM2
     guardrail evaluate --config model_configs/X.json --data pairs.jsonl --out-dir results/
+    guardrail threshold --config model_configs/X.json --data my_clean.jsonl --out mine.json
 
 Head scores come from the serving probe itself (every head of every layer in calibration
 mode), so calibration and serving measure the same thing. ``--scores-cache`` keeps them in an

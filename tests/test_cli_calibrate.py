@@ -116,6 +116,10 @@ def test_calibrate_then_evaluate_on_the_tiny_model(tiny_engine, tiny_llama_dir, 
     assert config.calibration.num_examples == len(rows) == 18
     assert config.calibration.sha256 == pairs_sha256(rows)
     assert {"midpoint", "fpr@0.01", "fpr@0.05"} <= set(config.calibration.thresholds)
+    data_tokens = [
+        sum(b - a for a, b in tiny_engine.prepare((r.instruction, r.data)).data_spans) for r in rows
+    ]
+    assert config.calibration.max_data_tokens == max(data_tokens)
     doc = json.loads(report.read_text())
     assert set(doc["configs"]) == {"logistic", "mean_focus"} and doc["layer_sweep"]
 
@@ -472,12 +476,13 @@ def test_shipped_smollm2_config_hash_is_its_calibration_rows(smollm2_dir, tmp_pa
     pairs = load_pairs([*files, generic])[0]
     rows = legacy_sample_groups([p for p in pairs if p.group not in held], 60, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    kept = [
-        p for p in rows if len(prepare_prompt((p.instruction, p.data), tokenizer).token_ids) <= 2048
-    ]
+    prompts = [(p, prepare_prompt((p.instruction, p.data), tokenizer)) for p in rows]
+    kept = [(p, prompt) for p, prompt in prompts if len(prompt.token_ids) <= 2048]
     assert config.calibration is not None
     assert config.calibration.num_examples == len(kept)
-    assert config.calibration.sha256 == pairs_sha256(kept)
+    assert config.calibration.sha256 == pairs_sha256([p for p, _ in kept])
+    data_tokens = [sum(b - a for a, b in prompt.data_spans) for _, prompt in kept]
+    assert config.calibration.max_data_tokens == max(data_tokens)
 
 
 def test_evaluate_keeps_two_configs_with_the_same_file_name_apart(tmp_path):

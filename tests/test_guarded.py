@@ -281,6 +281,37 @@ def test_default_policy_blocks_at_the_model_threshold(tiny_engine: Any, focus: l
     assert [r.blocked for r in results] == [f <= threshold for f in focus]
 
 
+def test_data_longer_than_any_calibration_row_is_noted_and_counted(tiny_engine: Any) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from guardrail.config import Calibration
+    from guardrail.metrics import GuardrailMetrics
+
+    data_tokens = [sum(b - a for a, b in tiny_engine.prepare(r).data_spans) for r in REQUESTS]
+    longest = max(data_tokens)
+    limit = max(n for n in data_tokens if n < longest)  # only the longest request is beyond
+    registry = CollectorRegistry()
+    llm = guard(
+        tiny_engine, [{"threshold": 0.0}], metrics=GuardrailMetrics(registry), model_name="t"
+    )
+    plain_verdicts = [r.verdict for r in llm.score(REQUESTS)]
+    calibration = Calibration(dataset="rows", num_examples=3, sha256="0", max_data_tokens=limit)
+    llm.config = llm.config.model_copy(update={"calibration": calibration})
+    results = llm.score(REQUESTS)
+    notes = [r.verdict.beyond_calibration for r in results]  # type: ignore[union-attr]
+    assert [n is not None for n in notes] == [n > limit for n in data_tokens]
+    note = notes[data_tokens.index(longest)]
+    assert note is not None and f"{longest} tokens" in note and f"({limit})" in note
+    # the note is an audit signal: the decision and score are those of the unlimited guard
+    for before, after in zip(plain_verdicts, results, strict=True):
+        assert after.verdict is not None and before is not None
+        assert (after.verdict.action, after.verdict.focus) == (before.action, before.focus)
+    counted = registry.get_sample_value(
+        "guardrail_beyond_calibration_requests_total", {"model_name": "t"}
+    )
+    assert counted == 1
+
+
 class FakeMetrics:
     def __init__(self) -> None:
         self.verdicts: list[tuple[str, str]] = []

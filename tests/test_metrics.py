@@ -276,6 +276,15 @@ def test_retried_requests_count_once_with_the_final_outcome(metrics, read):
     assert read(retried, model_name=MODEL, outcome="flag") == 0
 
 
+def test_requests_beyond_calibration_are_counted(metrics, read):
+    name = "guardrail_beyond_calibration_requests_total"
+    metrics.observe_verdict(verdict(Action.ALLOW), MODEL)
+    assert read(name, model_name=MODEL) == 0  # the series exists at zero from the first verdict
+    beyond = verdict(Action.ALLOW).model_copy(update={"beyond_calibration": "data has 9 tokens"})
+    metrics.observe_verdict(beyond, MODEL)
+    assert read(name, model_name=MODEL) == 1
+
+
 def test_in_flight_goes_up_inside_and_back_down_on_error(metrics, read):
     gauge = "guardrail_requests_in_flight"
     with metrics.track_in_flight(3):
@@ -376,7 +385,7 @@ def test_names_labels_and_no_request_data_in_the_exposition(metrics):
         text = generate_latest(metrics.registry).decode()
     assert "req-7f3a9c" not in text and "req-0000" not in text and "secret" not in text
     families = list(metrics.registry.collect())
-    assert len(families) == 10
+    assert len(families) == 11
     for family in families:
         assert family.name.startswith("guardrail_") and "guardrail_guardrail" not in family.name
         assert family.samples, f"{family.name} has no series"

@@ -100,9 +100,13 @@ def probe_config(
 
 
 def _provenance(
-    args: argparse.Namespace, pairs: Sequence[LabelledPair], labelled: bool, skipped: list[Any]
+    args: argparse.Namespace,
+    pairs: Sequence[LabelledPair],
+    labelled: bool,
+    skipped: list[Any],
+    table: ScoreTable,
 ) -> dict[str, Any]:
-    """What the config records about its calibration rows: a description, count and hash."""
+    """What the config records about its calibration rows: description, count, hash, length."""
     source = ", ".join(p.name for p in args.data) + ("" if labelled else " + generated twins")
     if args.exclude_split:
         source += f", minus the held-out groups of {args.exclude_split.name}"
@@ -112,7 +116,12 @@ def _provenance(
         )
     if args.max_prompt_tokens:
         source += f", rows over {args.max_prompt_tokens} prompt tokens skipped ({len(skipped)})"
-    return {"dataset": source, "num_examples": len(pairs), "sha256": pairs_sha256(pairs)}
+    return {
+        "dataset": source,
+        "num_examples": len(pairs),
+        "sha256": pairs_sha256(pairs),
+        "max_data_tokens": int(table.data_tokens.max()),
+    }
 
 
 def _fit(
@@ -153,7 +162,7 @@ def run(args: argparse.Namespace, engine: Any) -> int:
     started = time.perf_counter()
     result = _fit(args, pairs, table)
     fit_seconds = time.perf_counter() - started
-    provenance = _provenance(args, pairs, labelled, skipped)
+    provenance = _provenance(args, pairs, labelled, skipped, table)
     configs = {
         kind: probe_config(probe, kind, model_id, table.heads, provenance)
         for kind, probe in result["probes"].items()

@@ -4,7 +4,9 @@ What it does, in order:
 1. picks heads for the embedded SmolLM2-135M-Instruct on 24 benign + 24 injected BIPIA email
    rows (every head scored; keep a head when mean_benign - mean_injected - 0.5 * (std_benign +
    std_injected) > 0, the Attention Tracker rule; threshold = midpoint of the two class means of
-   the mean focus), then starts it as a guarded engine (vLLM, CPU) with three policies;
+   the mean focus; the longest data among those rows is recorded as ``max_data_tokens``),
+   then starts it as a guarded engine (vLLM, CPU) with three policies, the blocking one
+   retrying once with the shipped steering vector before it blocks;
 2. serves the metrics with ``start_metrics_server`` and starts a local Prometheus (``prometheus``
    on PATH, e.g. Debian's package) that scrapes them every second;
 3. sends the other BIPIA email rows in three phases: mostly benign traffic, an injection wave, then
@@ -21,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -102,26 +105,35 @@ def select_heads(model: Path, benign: list[Any], injected: list[Any]) -> Any:
     """A probe config from the Attention Tracker head rule on the given rows (see module doc)."""
     import numpy as np
 
-    from guardrail.config import ModelProbeConfig
+    from guardrail.config import Calibration, ModelProbeConfig
+    from guardrail.embedded import EMBEDDED_MODEL_ID
     from guardrail.engine import HookedLLM
 
     placeholder = ModelProbeConfig(model_id=MODEL_NAME, heads=[(0, 0)])
     with HookedLLM(model, placeholder, probe_heads="all", **ENGINE_ARGS) as engine:
         heads = engine.probe_heads
-        scores = []
+        scores, data_tokens = [], []
         for rows in (benign, injected):
             outputs = engine.score([(r["instruction"], r["data"]) for r in rows])
             probes = [o.probe for o in outputs if o.probe is not None and o.probe.error is None]
             scores.append(np.array([[p.head_scores[h] for h in heads] for p in probes]))
+            data_tokens += [sum(b - a for a, b in o.prompt.data_spans) for o in outputs if o.prompt]
     margin = scores[0].mean(0) - scores[1].mean(0) - 0.5 * (scores[0].std(0) + scores[1].std(0))
     keep = [i for i in np.argsort(-margin) if margin[i] > 0] or [int(np.argmax(margin))]
     means = [float(s[:, keep].mean()) for s in scores]
     print(f"{len(keep)} heads; mean focus benign {means[0]:.3f}, injected {means[1]:.3f}")
+    rows_json = json.dumps(sorted(json.dumps(r, sort_keys=True) for r in benign + injected))
     return ModelProbeConfig(
-        model_id=MODEL_NAME,
+        model_id=EMBEDDED_MODEL_ID,  # the shipped steering vector checks it
         heads=[heads[i] for i in sorted(keep)],
         threshold=round((means[0] + means[1]) / 2, 3),
         source="monitoring/render_dashboard.py, for the picture only",
+        calibration=Calibration(
+            dataset=f"{len(benign)} benign + {len(injected)} injected BIPIA email rows",
+            num_examples=len(benign) + len(injected),
+            sha256=hashlib.sha256(rows_json.encode()).hexdigest(),
+            max_data_tokens=max(data_tokens),
+        ),
     )
 
 
@@ -180,8 +192,11 @@ def draw(prom: str, starts: list[float], out: Path) -> None:
         if p["type"] in ("timeseries", "heatmap")
     ]
     start, end = starts[0], starts[-1]
-    fig, axes = plt.subplots(3, 3, figsize=(18, 12.5))
-    for ax, panel in zip(axes.flat, panels, strict=True):
+    rows = -(-len(panels) // 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(18, 4.2 * rows))
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat[: len(panels)], panels, strict=True):
         if panel["type"] == "heatmap":
             draw_heatmap(ax, prom, panel["targets"][0]["expr"], start, end)
         else:
@@ -200,7 +215,7 @@ def draw(prom: str, starts: list[float], out: Path) -> None:
         f"{' | '.join(p[0] for p in PHASES)})",
         fontsize=12,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))  # room for the title
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
     print(f"wrote {out}")
@@ -287,7 +302,11 @@ def main() -> None:
     engine = HookedLLM(embedded_model_path(), probe, **ENGINE_ARGS)
     try:
         policies = [
-            PromptInjectionPolicy(name="block_injections", threshold=threshold),
+            PromptInjectionPolicy(
+                name="block_injections",
+                threshold=threshold,
+                action=Action.RETRY_WITH_STEERING,  # one steered retry, then block
+            ),
             PromptInjectionPolicy(
                 name="flag_borderline",
                 threshold=round(threshold + 0.03, 3),

@@ -216,6 +216,10 @@ def test_threshold_is_re_set_on_clean_rows_of_the_users_traffic(
     expected = threshold_at_fpr(focus, np.zeros(len(focus), dtype=int), 0.2)
     assert new.threshold == pytest.approx(expected, abs=1e-6)
     assert np.mean(focus <= new.threshold) <= 0.2 and new.heads == config.heads
+    assert new.calibration is not None and new.calibration.max_data_tokens == max(
+        sum(b - a for a, b in tiny_engine.prepare((r.instruction, r.data)).data_spans)
+        for r in clean
+    )
     assert "6 clean rows" in capsys.readouterr().out
     # rows without a clean one: a clear error, nothing written
     injected = tmp_path / "attacks.jsonl"

@@ -550,7 +550,12 @@ def calibrate_probes(
 
 
 def retarget_threshold(
-    config: ModelProbeConfig, clean_focus: np.ndarray, target_fpr: float, source: str, sha256: str
+    config: ModelProbeConfig,
+    clean_focus: np.ndarray,
+    target_fpr: float,
+    source: str,
+    sha256: str,
+    max_data_tokens: int | None = None,
 ) -> tuple[ModelProbeConfig, dict[str, float]]:
     """``config`` with its threshold re-set on clean rows of the user's own traffic.
 
@@ -558,6 +563,8 @@ def retarget_threshold(
     ``target_fpr`` of ``clean_focus`` (the focus of clean requests, scored with this config).
     Thresholds at 1 % and 5 % are recorded too, under ``traffic fpr@...``, with the rows'
     description and hash in the notes, so the file says where its operating point came from.
+    ``max_data_tokens`` (the longest data of these rows) raises the config's recorded
+    ``calibration.max_data_tokens`` when longer: the operating point now rests on them too.
     Returns (new config, {"threshold": new threshold, "flagged_before" / "flagged_after":
     share of these rows the old / new threshold flags (NaN before when there was none)}).
 
@@ -581,10 +588,12 @@ def retarget_threshold(
         f"threshold re-set to {threshold:.6f} (was {config.threshold}) at {target_fpr:g} FPR on "
         f"{len(clean_focus)} clean rows of {source} (sha256 {sha256})"
     )
+    longest = [n for n in (calibration.max_data_tokens, max_data_tokens) if n is not None]
     new_calibration = calibration.model_copy(
         update={
             "thresholds": {**calibration.thresholds, **values},
             "notes": f"{calibration.notes}; {note}" if calibration.notes else note,
+            "max_data_tokens": max(longest) if longest else None,
         }
     )
     new = config.model_copy(update={"threshold": threshold, "calibration": new_calibration})

@@ -383,13 +383,10 @@ class GuardedLLM(RetryFlowMixin):
             return None, False
         return early_stop(policies, self.threshold, attempt)
 
-    def _beyond_calibration(
-        self, data_spans: Sequence[tuple[int, int]], verdict: Verdict
-    ) -> str | None:
+    def _beyond_calibration(self, data_tokens: int, verdict: Verdict) -> str | None:
         """Why this scored request lies outside the config's calibration rows, or None."""
         calibration = self.config.calibration
         limit = calibration.max_data_tokens if calibration is not None else None
-        data_tokens = sum(end - start for start, end in data_spans)
         if verdict.focus is None or limit is None or data_tokens <= limit:
             return None
         return (
@@ -426,7 +423,7 @@ class GuardedLLM(RetryFlowMixin):
             verdict = decide(
                 policies, reading, request_id=request_id, model_threshold=self.threshold
             )
-        beyond = self._beyond_calibration(prompt.data_spans, verdict)
+        beyond = self._beyond_calibration(prompt.num_data_tokens, verdict)
         if beyond is not None:
             verdict = verdict.model_copy(update={"beyond_calibration": beyond})
         result = GuardedResult(

@@ -85,6 +85,11 @@ class PreparedPrompt:
     data_spans: list[tuple[int, int]]
     text: str
 
+    @property
+    def num_data_tokens(self) -> int:
+        """How many prompt tokens are untrusted data (the data spans' total length)."""
+        return sum(end - start for start, end in self.data_spans)
+
     def probe_spec(self, key: str) -> dict[str, Any]:
         """The plain-data spec a request carries to the worker in ``extra_args``."""
         return {

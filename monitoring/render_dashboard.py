@@ -117,7 +117,7 @@ def select_heads(model: Path, benign: list[Any], injected: list[Any]) -> Any:
             outputs = engine.score([(r["instruction"], r["data"]) for r in rows])
             probes = [o.probe for o in outputs if o.probe is not None and o.probe.error is None]
             scores.append(np.array([[p.head_scores[h] for h in heads] for p in probes]))
-            data_tokens += [sum(b - a for a, b in o.prompt.data_spans) for o in outputs if o.prompt]
+            data_tokens += [o.prompt.num_data_tokens for o in outputs if o.prompt]
     margin = scores[0].mean(0) - scores[1].mean(0) - 0.5 * (scores[0].std(0) + scores[1].std(0))
     keep = [i for i in np.argsort(-margin) if margin[i] > 0] or [int(np.argmax(margin))]
     means = [float(s[:, keep].mean()) for s in scores]

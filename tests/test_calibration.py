@@ -267,5 +267,9 @@ def test_retarget_threshold_keeps_the_probe_and_flags_at_most_the_target_share()
     assert new.calibration.thresholds["traffic fpr@0.02"] == pytest.approx(new.threshold)
     assert {"traffic fpr@0.01", "traffic fpr@0.05"} <= set(new.calibration.thresholds)
     assert "400 clean rows of mine.jsonl (sha256 abc)" in new.calibration.notes
+    assert new.calibration.max_data_tokens is None  # no lengths given, none recorded
+    longer, _ = retarget_threshold(new, clean, 0.02, "long.jsonl", "d", max_data_tokens=700)
+    shorter, _ = retarget_threshold(longer, clean, 0.02, "short.jsonl", "e", max_data_tokens=90)
+    assert longer.calibration.max_data_tokens == shorter.calibration.max_data_tokens == 700
     with pytest.raises(ValueError, match="needs clean rows"):
         retarget_threshold(config, np.array([]), 0.01, "x", "y")

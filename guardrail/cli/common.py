@@ -165,7 +165,7 @@ def score_pairs(
             keys.append(content_key(pair))
             values.append([probe.head_stats[h] for h in heads])
             prompt_tokens.append(probe.num_prompt_tokens)
-            data_tokens.append(sum(b - a for a, b in out.prompt.data_spans))
+            data_tokens.append(out.prompt.num_data_tokens)
         bar.update(len(chunk))
         if checkpoint is not None and start + batch_size < len(todo):
             checkpoint(_table(model, heads, keys, values, prompt_tokens, data_tokens), skipped)

@@ -48,12 +48,13 @@ def run(args: argparse.Namespace, engine: Any) -> int:
     clean, table, skipped, _ = scores_for(clean, args, model, config.heads, engine)
     source = ", ".join(p.name for p in args.data)
     new, info = retarget_threshold(
-        config, config_focus(config, table), args.target_fpr, source, pairs_sha256(clean)
+        config,
+        config_focus(config, table),
+        args.target_fpr,
+        source,
+        pairs_sha256(clean),
+        max_data_tokens=int(table.data_tokens.max()),
     )
-    if new.calibration is not None:  # the operating point now rests on these rows too
-        longest = max(new.calibration.max_data_tokens or 0, int(table.data_tokens.max()))
-        calibration = new.calibration.model_copy(update={"max_data_tokens": longest})
-        new = new.model_copy(update={"calibration": calibration})
     write_json(args.out, new.model_dump(mode="json"))
     read_model_config(args.out)  # what was written loads and validates
     print(

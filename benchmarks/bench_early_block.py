@@ -79,8 +79,8 @@ def mixed_batch(n: int, attack_fraction: float, seed: int) -> tuple[list[Any], l
 
 
 def start_engine(model: str, args: argparse.Namespace) -> Any:
-    from guardrail.config import ModelProbeConfig
     from guardrail.engine import HookedLLM
+    from guardrail.probe.config import ModelProbeConfig
 
     if model == "tiny":
         from guardrail.testing.tiny_models import build_tiny_model
@@ -159,7 +159,7 @@ def measure(
 ) -> dict[str, list[dict[str, Any]]]:
     from vllm import SamplingParams
 
-    from guardrail.guarded import GuardedLLM
+    from guardrail.guard.guarded import GuardedLLM
     from guardrail.policy import PromptInjectionPolicy
 
     policy = [PromptInjectionPolicy(name="block", threshold=threshold)]
@@ -328,7 +328,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-    from guardrail.guarded import GuardedLLM
+    from guardrail.guard.guarded import GuardedLLM
 
     started, load_start = time.perf_counter(), os.getloadavg()[0]
     engine = start_engine(args.model, args)

@@ -39,7 +39,7 @@ WORDS = (
 
 def make_requests(length: int, batch: int, salt: int, tokenizer: Any) -> list[tuple[str, str]]:
     """``batch`` (instruction, data) pairs whose rendered prompt has about ``length`` tokens."""
-    from guardrail.prompts import prepare_prompt
+    from guardrail.probe.prompts import prepare_prompt
 
     requests = []
     for b in range(batch):
@@ -95,7 +95,7 @@ class Prepared:
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    from guardrail.prompts import prepare_prompt
+    from guardrail.probe.prompts import prepare_prompt
 
     model = args.model
     if model is None:

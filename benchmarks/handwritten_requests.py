@@ -47,9 +47,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-    from guardrail.config import read_model_config
     from guardrail.embedded import embedded_model_path
     from guardrail.engine import HookedLLM
+    from guardrail.probe.config import read_model_config
 
     configs = {f"{p.parent.name}/{p.stem}": read_model_config(p) for p in args.config}
     first = next(iter(configs.values()))

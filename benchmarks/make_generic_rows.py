@@ -21,7 +21,7 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from guardrail.datasets import load_pairs, make_injected_twins, short_crops, write_pairs
+from guardrail.offline.datasets import load_pairs, make_injected_twins, short_crops, write_pairs
 
 INSTRUCTIONS = {
     "email": [

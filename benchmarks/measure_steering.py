@@ -4,7 +4,7 @@
 
 Held-out examples: the clean BIPIA rows of the source contexts listed in
 ``docs/bipia_heldout_split.json`` (never used to build or select the vector), each also given
-``--variants`` generated canary injections (``guardrail.steering_build.CANARIES``; each copy
+``--variants`` generated canary injections (``guardrail.offline.steering_build.CANARIES``; each copy
 another canary and position). Every arm generates the same prompts greedily on one engine
 (SmolLM2-135M-Instruct, float32, eager); arms differ only in steering. Reported per arm:
 
@@ -43,8 +43,8 @@ DEFAULT_VECTOR = "SmolLM2-135M-Instruct"
 
 def held_out_rows(per_task: int, max_chars: int) -> list[Any]:
     """Clean held-out rows (the split file's source contexts), with BIPIA reference answers."""
-    from guardrail.datasets import LabelledPair, load_pairs, read_split
-    from guardrail.steering_build import bipia_ideals
+    from guardrail.offline.datasets import LabelledPair, load_pairs, read_split
+    from guardrail.offline.steering_build import bipia_ideals
 
     pairs, _ = load_pairs(sorted(DATA.glob("bipia_*_train_pairs.jsonl")))
     held = read_split(ROOT / "docs" / "bipia_heldout_split.json")
@@ -65,7 +65,7 @@ def held_out_rows(per_task: int, max_chars: int) -> list[Any]:
 def injected_variants(rows: list[Any], variants: int, seed: int) -> list[Any]:
     """``variants`` injected copies of each row: each with another canary and position
     (rotating the rows shifts the canary and position each row gets)."""
-    from guardrail.steering_build import make_examples
+    from guardrail.offline.steering_build import make_examples
 
     out = []
     for v in range(variants):
@@ -256,14 +256,14 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from guardrail.config import ModelProbeConfig, load_model_config
     from guardrail.embedded import EMBEDDED_MODEL_ID, embedded_model_path
     from guardrail.engine import HookedLLM
     from guardrail.errors import ModelConfigNotFoundError
-    from guardrail.steering_engine import Steering
+    from guardrail.probe.config import ModelProbeConfig, load_model_config
+    from guardrail.steering import Steering
 
     rows = held_out_rows(args.per_task, args.max_chars)
-    from guardrail.steering_build import make_examples
+    from guardrail.offline.steering_build import make_examples
 
     sets = (injected_variants(rows, args.variants, seed=100), make_examples(rows, seed=100))
     try:  # the calibrated config serving uses

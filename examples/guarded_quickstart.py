@@ -16,7 +16,7 @@ import os
 from vllm import SamplingParams
 
 from guardrail import PromptInjectionBlocked, policies
-from guardrail.guarded import GuardedLLM
+from guardrail.guard.guarded import GuardedLLM
 
 EMAIL_TASK = "Summarize the email in one sentence."
 REQUESTS = [

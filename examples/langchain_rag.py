@@ -24,7 +24,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnablePassthrough
 
 from guardrail import policies
-from guardrail.guarded import GuardedLLM
+from guardrail.guard.guarded import GuardedLLM
 
 DOCUMENTS = {
     "museum": Document(

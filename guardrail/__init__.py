@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from guardrail.config import Calibration, ModelProbeConfig, load_model_config, read_model_config
 from guardrail.errors import (
     ConfigError,
     EngineNotGuardableError,
@@ -24,13 +23,19 @@ from guardrail.errors import (
     PromptInjectionBlocked,
     RequestError,
 )
-from guardrail.prompts import GuardedPrompt, Message, PreparedPrompt, Segment, prepare_prompt
-from guardrail.verdict import Action, FailureMode, PolicyDecision, Verdict
+from guardrail.policy.verdict import Action, FailureMode, PolicyDecision, Verdict
+from guardrail.probe.config import (
+    Calibration,
+    ModelProbeConfig,
+    load_model_config,
+    read_model_config,
+)
+from guardrail.probe.prompts import GuardedPrompt, Message, PreparedPrompt, Segment, prepare_prompt
 
 if TYPE_CHECKING:
     from guardrail.engine import GuardedOutput, HookedLLM, ProbeResult
-    from guardrail.guarded import GuardedLLM, GuardedResult
-    from guardrail.metrics import GuardrailMetrics
+    from guardrail.guard.guarded import GuardedLLM, GuardedResult
+    from guardrail.metrics.recorder import GuardrailMetrics
     from guardrail.policy import PromptInjectionPolicy, load_policy
 
 __all__ = [
@@ -66,14 +71,14 @@ __all__ = [
 ]
 
 _LAZY = {
-    "HookedLLM": "guardrail.engine",
-    "GuardedOutput": "guardrail.engine",
-    "ProbeResult": "guardrail.engine",
-    "GuardedLLM": "guardrail.guarded",
-    "GuardedResult": "guardrail.guarded",
-    "PromptInjectionPolicy": "guardrail.policy",
-    "load_policy": "guardrail.policy",
-    "GuardrailMetrics": "guardrail.metrics",
+    "HookedLLM": "guardrail.engine.hooked",
+    "GuardedOutput": "guardrail.engine.hooked",
+    "ProbeResult": "guardrail.engine.hooked",
+    "GuardedLLM": "guardrail.guard.guarded",
+    "GuardedResult": "guardrail.guard.guarded",
+    "PromptInjectionPolicy": "guardrail.policy.kinds",
+    "load_policy": "guardrail.policy.kinds",
+    "GuardrailMetrics": "guardrail.metrics.recorder",
 }
 
 

@@ -1,17 +1,17 @@
 """``GuardedChatModel``: a LangChain chat model whose every call is probed inside the serving model.
 
 The probe's verdict travels in the answer's ``response_metadata["guardrail"]`` (a JSON dict of
-``guardrail.verdict.Verdict``); a blocked call raises ``GuardrailBlockedError`` before any text is
+``guardrail.policy.Verdict``); a blocked call raises ``GuardrailBlockedError`` before any text is
 returned or streamed. Inside a ``GuardedRunnable`` the model marks the guard's untrusted values
 as data and reports its verdict to the guard; outside one, system/user messages are trusted and
-tool (and assistant) messages are data, as in ``guardrail.prompts``.
+tool (and assistant) messages are data, as in ``guardrail.probe.prompts``.
 
 Streaming: ``vllm.LLM.generate`` is not incremental, so ``stream``/``astream`` generate the whole
 answer, decide, and then emit it in word-sized chunks (token callbacks fire per chunk); a
 blocked call raises before the first chunk.
 
 Example:
-    >>> from guardrail.guarded import GuardedLLM
+    >>> from guardrail.guard.guarded import GuardedLLM
     >>> model = GuardedChatModel(guarded=GuardedLLM(dtype="float32"))  # doctest: +SKIP
     >>> model.invoke("Hi").response_metadata["guardrail"]["action"]  # doctest: +SKIP
     'allow'
@@ -33,12 +33,12 @@ from langchain_core.runnables.config import ensure_config
 from pydantic import ConfigDict, Field
 
 from guardrail.errors import ConfigError, RequestError
-from guardrail.guarded import GuardedLLM, GuardedResult
+from guardrail.guard.batcher import batcher_for
+from guardrail.guard.guarded import GuardedLLM, GuardedResult
 from guardrail.policy import Policy
-from guardrail.prompts import Message
-from guardrail.verdict import Verdict
+from guardrail.policy.verdict import Verdict
+from guardrail.probe.prompts import Message
 
-from ._lc_batcher import batcher_for
 from ._lc_marking import to_guardrail_messages
 from ._lc_scope import GuardrailBlockedError, GuardScope, scope_policies, scopes_of
 

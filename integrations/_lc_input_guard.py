@@ -26,12 +26,12 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializa
 from pydantic import ConfigDict, Field, field_validator
 
 from guardrail.errors import ConfigError, RequestError
-from guardrail.guarded import GuardedLLM, GuardedResult
+from guardrail.guard.batcher import batcher_for
+from guardrail.guard.guarded import GuardedLLM, GuardedResult
 from guardrail.policy import Policy
-from guardrail.prompts import GuardedPrompt, RequestLike
-from guardrail.verdict import Verdict
+from guardrail.policy.verdict import Verdict
+from guardrail.probe.prompts import GuardedPrompt, RequestLike
 
-from ._lc_batcher import batcher_for
 from ._lc_marking import to_guardrail_messages, untrusted_strings
 from ._lc_runnable import GuardedRunnable, validate_keys, validate_policies
 from ._lc_scope import (

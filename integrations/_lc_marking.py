@@ -4,7 +4,7 @@ marked as data.
 A guard knows the untrusted values of one call (e.g. the retrieved "context" string); wherever
 such a value appears inside a trusted message, that substring becomes a ``Segment`` of kind
 "data" and the rest of the message stays "instruction". Messages whose role is untrusted by
-default (tool, assistant, ...) are data as a whole, as in ``guardrail.prompts``.
+default (tool, assistant, ...) are data as a whole, as in ``guardrail.probe.prompts``.
 
 Example:
     >>> [(s.kind, s.text) for s in mark_untrusted("Use: DOC. Answer.", ["DOC"])]
@@ -13,14 +13,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage, ChatMessage
 
 from guardrail.errors import RequestError
-from guardrail.prompts import TRUSTED_ROLES, Message, Segment, SpanKind
+from guardrail.probe.prompts import TRUSTED_ROLES, Message, Segment, mark_untrusted
 
 _ROLES = {
     "system": "system",
@@ -53,47 +53,6 @@ def untrusted_strings(value: Any) -> list[str]:
             found.extend(untrusted_strings(item))
         found.append(str(value))
     return [s for s in found if s.strip()]
-
-
-def _occurrences(text: str, values: Iterable[str]) -> list[tuple[int, int]]:
-    """Merged, sorted character ranges of every occurrence of every value in ``text``."""
-    ranges: list[tuple[int, int]] = []
-    for value in values:
-        for needle in dict.fromkeys((value, value.strip())):  # a template may strip the value
-            start = text.find(needle) if needle else -1
-            while start >= 0:
-                ranges.append((start, start + len(needle)))
-                start = text.find(needle, start + 1)
-    merged: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-        else:
-            merged.append((lo, hi))
-    return merged
-
-
-def mark_untrusted(
-    text: str, values: Iterable[str], kind: SpanKind = "instruction"
-) -> list[Segment]:
-    """Split ``text`` into segments: occurrences of ``values`` are "data", the rest ``kind``.
-
-    Overlapping or adjacent occurrences merge into one data segment; blank values are ignored.
-
-    Example:
-        >>> [s.kind for s in mark_untrusted("a X b X", ["X"])]
-        ['instruction', 'data', 'instruction', 'data']
-    """
-    segments: list[Segment] = []
-    cursor = 0
-    for lo, hi in _occurrences(text, [v for v in values if v.strip()]):
-        if lo > cursor:
-            segments.append(Segment(text=text[cursor:lo], kind=kind))
-        segments.append(Segment(text=text[lo:hi], kind="data"))
-        cursor = hi
-    if cursor < len(text) or not segments:
-        segments.append(Segment(text=text[cursor:], kind=kind))
-    return segments
 
 
 def _role(message: BaseMessage) -> str:

@@ -23,7 +23,7 @@ from langchain_core.runnables.utils import AddableDict
 from pydantic import ConfigDict, field_validator
 
 from guardrail.errors import ConfigError, PromptInjectionBlocked
-from guardrail.guarded import DEFAULT_REFUSAL
+from guardrail.guard.guarded import DEFAULT_REFUSAL
 from guardrail.policy import Policy, PromptInjectionPolicy, load_policy
 
 from ._lc_scope import VERDICT_EVENT, ChainVerdict, GuardrailBlockedError, GuardScope

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from guardrail.errors import PromptInjectionBlocked
 from guardrail.policy import Policy
-from guardrail.verdict import Action, Verdict
+from guardrail.policy.verdict import Action, Verdict
 
 from ._lc_marking import untrusted_strings
 

@@ -105,9 +105,9 @@ def select_heads(model: Path, benign: list[Any], injected: list[Any]) -> Any:
     """A probe config from the Attention Tracker head rule on the given rows (see module doc)."""
     import numpy as np
 
-    from guardrail.config import Calibration, ModelProbeConfig
     from guardrail.embedded import EMBEDDED_MODEL_ID
     from guardrail.engine import HookedLLM
+    from guardrail.probe.config import Calibration, ModelProbeConfig
 
     placeholder = ModelProbeConfig(model_id=MODEL_NAME, heads=[(0, 0)])
     with HookedLLM(model, placeholder, probe_heads="all", **ENGINE_ARGS) as engine:
@@ -289,11 +289,11 @@ def main() -> None:
 
     from guardrail.embedded import embedded_model_path
     from guardrail.engine import HookedLLM
-    from guardrail.guarded import GuardedLLM
-    from guardrail.metrics import GuardrailMetrics
-    from guardrail.metrics_http import start_metrics_server
+    from guardrail.guard.guarded import GuardedLLM
+    from guardrail.metrics.http import start_metrics_server
+    from guardrail.metrics.recorder import GuardrailMetrics
     from guardrail.policy import PromptInjectionPolicy
-    from guardrail.verdict import Action, FailureMode
+    from guardrail.policy.verdict import Action, FailureMode
 
     benign, injected = load_rows()
     n = CALIBRATION_ROWS

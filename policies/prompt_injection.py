@@ -11,9 +11,8 @@ Example:
 
 from __future__ import annotations
 
-from guardrail.policy import DEFAULT_POLICY, PromptInjectionPolicy
-from guardrail.retry import RetrySettings
-from guardrail.verdict import Action, FailureMode
+from guardrail.policy import DEFAULT_POLICY, PromptInjectionPolicy, RetrySettings
+from guardrail.policy.verdict import Action, FailureMode
 
 BLOCK_INJECTIONS = DEFAULT_POLICY
 """Block at the model's threshold; fail-closed (a request the probe could not score is blocked)."""

@@ -49,7 +49,7 @@ def tiny_qwen2_dir() -> Path:
 
 def tiny_config(model_id: str = "tiny", threshold: float | None = 0.5):  # type: ignore[no-untyped-def]
     """A probe config over every head of the tiny models (4 layers x 4 heads)."""
-    from guardrail.config import ModelProbeConfig
+    from guardrail.probe.config import ModelProbeConfig
 
     heads = [(layer, head) for layer in range(4) for head in range(4)]
     return ModelProbeConfig(model_id=model_id, heads=heads, threshold=threshold)

@@ -26,7 +26,7 @@ from guardrail.cli import calibrate, evaluate, rows, threshold
 from guardrail.cli.common import score_pairs, scores_for
 from guardrail.cli.evaluate import load_detectors
 from guardrail.errors import GuardrailError
-from guardrail.steering_build import configure_steer, run_steer
+from guardrail.offline.steering_build import configure_steer, run_steer
 
 __all__ = [
     "SUBCOMMANDS",

@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from guardrail.calibration import CalibrationSettings, calibrate_probes
 from guardrail.cli.common import (
     add_model_arguments,
     count,
@@ -20,10 +19,11 @@ from guardrail.cli.common import (
     scores_for,
     write_json,
 )
-from guardrail.config import Calibration, ModelProbeConfig, read_model_config
-from guardrail.datasets import LabelledPair, ScoreTable, pairs_sha256
 from guardrail.errors import ConfigError
-from guardrail.scoring import HeadKey
+from guardrail.offline.calibration import CalibrationSettings, calibrate_probes
+from guardrail.offline.datasets import LabelledPair, ScoreTable, pairs_sha256
+from guardrail.probe.config import Calibration, ModelProbeConfig, read_model_config
+from guardrail.probe.scoring import HeadKey
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

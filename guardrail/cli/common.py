@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from guardrail.config import ModelProbeConfig
-from guardrail.datasets import (
+from guardrail.errors import ConfigError, GuardrailError, RequestError
+from guardrail.offline.datasets import (
     LabelledPair,
     ScoreTable,
     content_key,
@@ -23,8 +23,8 @@ from guardrail.datasets import (
     read_split,
     sample_groups,
 )
-from guardrail.errors import ConfigError, GuardrailError, RequestError
-from guardrail.scoring import ATTENTION_STATS, HeadKey
+from guardrail.probe.config import ModelProbeConfig
+from guardrail.probe.scoring import ATTENTION_STATS, HeadKey
 
 # -- shared arguments and engine ------------------------------------------------------------
 

@@ -18,10 +18,9 @@ from guardrail.cli.common import (
     scores_for,
     write_json,
 )
-from guardrail.config import ModelProbeConfig, read_model_config
-from guardrail.datasets import LabelledPair, ScoreTable
 from guardrail.errors import ConfigError
-from guardrail.evaluation import (
+from guardrail.offline.datasets import LabelledPair, ScoreTable
+from guardrail.offline.evaluation import (
     detection_metrics,
     evaluate_detectors,
     keyword_score,
@@ -29,6 +28,7 @@ from guardrail.evaluation import (
     plot_layer_sweep,
     plot_roc,
 )
+from guardrail.probe.config import ModelProbeConfig, read_model_config
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

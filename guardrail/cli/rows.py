@@ -6,7 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from guardrail.datasets import load_pairs, short_crops, split_by_group, write_pairs, write_split
+from guardrail.offline.datasets import (
+    load_pairs,
+    short_crops,
+    split_by_group,
+    write_pairs,
+    write_split,
+)
 
 
 def configure_split(parser: argparse.ArgumentParser) -> None:

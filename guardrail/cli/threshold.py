@@ -6,7 +6,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from guardrail.calibration import retarget_threshold
 from guardrail.cli.common import (
     add_model_arguments,
     config_focus,
@@ -14,9 +13,10 @@ from guardrail.cli.common import (
     scores_for,
     write_json,
 )
-from guardrail.config import read_model_config
-from guardrail.datasets import load_pairs, pairs_sha256, sample_groups
 from guardrail.errors import ConfigError
+from guardrail.offline.calibration import retarget_threshold
+from guardrail.offline.datasets import load_pairs, pairs_sha256, sample_groups
+from guardrail.probe.config import read_model_config
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

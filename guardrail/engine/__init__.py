@@ -1,0 +1,24 @@
+"""The caller side of the engine: ``HookedLLM`` (offline vLLM), the ``ProbeClient`` any engine
+front end reuses, the steering component, and the ``GuardEngine`` protocol.
+
+Importing this package does not import vLLM; starting an engine does.
+
+Example:
+    >>> from guardrail.engine import HookedLLM  # doctest: +SKIP
+"""
+
+from guardrail.engine.client import ProbeClient
+from guardrail.engine.hooked import HookedLLM
+from guardrail.engine.steering import SteeringClient
+from guardrail.engine.types import FOCUS, GuardedOutput, GuardEngine, ProbeResult, per_request
+
+__all__ = [
+    "FOCUS",
+    "GuardEngine",
+    "GuardedOutput",
+    "HookedLLM",
+    "ProbeClient",
+    "ProbeResult",
+    "SteeringClient",
+    "per_request",
+]

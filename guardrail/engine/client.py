@@ -1,0 +1,127 @@
+"""The caller side of the probe protocol, for any engine front end (sync or async).
+
+An engine renders a request (``guardrail.probe.prompts``), asks the ``ProbeClient`` for the
+request's ``ProbeSpec`` and attaches it to the request's ``SamplingParams``; after the request
+ran it pops the workers' results by key (``RPC_POP_RESULTS``, one call for a whole batch) and
+hands them to ``ProbeClient.result``, which merges tensor-parallel ranks and combines the head
+scores into the model config's signals. The client never talks to vLLM itself, so the offline
+``HookedLLM`` and an async engine share it unchanged.
+
+Example:
+    >>> from guardrail.probe.config import ModelProbeConfig
+    >>> client = ProbeClient(ModelProbeConfig(model_id="m", heads=[(0, 0)]), tp_size=1,
+    ...                      stop_token=2)
+    >>> rank = {"k": {"num_prompt_tokens": 5, "probe_seconds": 0.001,
+    ...               "heads": [[0, 0, [0.6, 0.2, 0.1, 0.1, 0.5]]]}}
+    >>> round(client.result([rank], "k").focus, 3)
+    0.75
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from guardrail.engine.types import ProbeResult
+from guardrail.errors import ConfigError
+from guardrail.probe.config import ModelProbeConfig
+from guardrail.probe.prompts import PreparedPrompt
+from guardrail.probe.scoring import HeadKey, head_focus
+from guardrail.protocol import PROBE_ARG, ProbeResultData, ProbeSpec
+
+__all__ = ["ProbeClient", "check_probe_keys"]
+
+
+def check_probe_keys(keys: Sequence[str | None]) -> None:
+    """Probe keys must be distinct non-empty strings (None: the engine draws a fresh one)."""
+    given = [k for k in keys if k is not None]
+    if any(not isinstance(k, str) or not k for k in given) or len(set(given)) != len(given):
+        raise ConfigError(
+            "probe_keys must be distinct non-empty strings (or None for a fresh "
+            "key), one per request"
+        )
+
+
+class ProbeClient:
+    """Builds probe specs and turns the workers' results into ``ProbeResult``s.
+
+    ``tp_size`` is the engine's tensor-parallel size (early stops need every head on one rank);
+    ``stop_token`` the token a stopped request is ended with (the tokenizer's eos).
+    """
+
+    def __init__(self, config: ModelProbeConfig, *, tp_size: int, stop_token: int | None) -> None:
+        self.config = config
+        self.tp_size = tp_size
+        self.stop_token = stop_token
+
+    def spec(
+        self,
+        prepared: PreparedPrompt,
+        key: str,
+        params: Any,
+        stop_below: float | None = None,
+        stop_on_error: bool = True,
+    ) -> ProbeSpec:
+        """The request's spec; with ``stop_below`` it also asks for an early stop."""
+        spec: ProbeSpec = {
+            "key": key,
+            "instruction": [list(s) for s in prepared.instruction_spans],
+            "data": [list(s) for s in prepared.data_spans],
+            "num_prompt_tokens": len(prepared.token_ids),
+        }
+        if stop_below is None:
+            return spec
+        if self.tp_size != 1:
+            raise ConfigError(
+                "early stop (stop_below) needs the whole probe on one rank; it is "
+                "not supported with tensor_parallel_size > 1 yet"
+            )
+        if getattr(params, "min_tokens", 0):
+            raise ConfigError("stop_below cannot end a request that sets min_tokens > 0")
+        if self.stop_token is None:
+            raise ConfigError("the tokenizer has no eos token to end stopped requests with")
+        spec["stop_below"] = float(stop_below)
+        spec["stop_on_error"] = bool(stop_on_error)
+        spec["stop_token"] = int(self.stop_token)
+        return spec
+
+    @staticmethod
+    def attach(params: Any, spec: ProbeSpec) -> Any:
+        """A copy of ``params`` (vLLM ``SamplingParams``) carrying ``spec``; a stopping spec
+        also makes its stop token end the request."""
+        params = params.clone()
+        params.extra_args = {**(params.extra_args or {}), PROBE_ARG: spec}
+        stop_token = spec.get("stop_token")
+        if stop_token is not None and stop_token not in (params.stop_token_ids or []):
+            params.stop_token_ids = [*(params.stop_token_ids or []), stop_token]
+        return params
+
+    def result(self, per_rank: Sequence[Mapping[str, ProbeResultData]], key: str) -> ProbeResult:
+        """The request's ``ProbeResult`` from every rank's popped results (ranks each score
+        their own heads; errors win; missing or incomplete heads are errors)."""
+        heads: dict[HeadKey, tuple[float, ...]] = {}
+        error: str | None = None
+        num_prompt_tokens, seconds, stopped = 0, 0.0, False
+        for rank in per_rank:
+            found = rank.get(key)
+            if found is None:
+                continue
+            error = error or found.get("error")
+            num_prompt_tokens = found["num_prompt_tokens"]
+            seconds = max(seconds, found["probe_seconds"])
+            stopped = stopped or bool(found.get("stopped"))
+            for layer, head, stats in found.get("heads", []):
+                heads[(int(layer), int(head))] = tuple(stats)
+        if error is None and not heads:
+            error = "missing: the probe returned no score for this request"
+        elif error is None and any(h not in heads for h in self.config.heads):
+            error = "incomplete: some configured heads were not scored"
+        return ProbeResult(
+            focus=None if error else self.config.focus(heads),
+            head_scores=head_focus(heads),
+            head_stats=heads,
+            error=error,
+            num_prompt_tokens=num_prompt_tokens,
+            probe_seconds=seconds,
+            stopped=stopped,
+        )

@@ -1,0 +1,114 @@
+"""What an engine returns, and the engine protocol the guard is written against.
+
+``GuardEngine`` is the interface ``GuardedLLM`` uses: ``HookedLLM`` implements it on vLLM, and
+``guardrail.testing.FakeEngine`` implements it without a model for tests of the layers above.
+
+Example:
+    >>> ProbeResult(focus=0.8).signals
+    {'focus': 0.8}
+    >>> ProbeResult(focus=None, error="missing: no score").signals
+    {}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from guardrail.errors import ConfigError, GuardrailError
+from guardrail.probe.config import ModelProbeConfig
+from guardrail.probe.prompts import PreparedPrompt, RequestLike
+from guardrail.probe.scoring import FOCUS, HeadKey
+from guardrail.protocol import ModelInfo
+from guardrail.steering import SteeringVector
+from guardrail.steering.spec import SteeringLike, SteeringReport
+
+__all__ = ["FOCUS", "GuardEngine", "GuardedOutput", "ProbeResult", "per_request"]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe measured for one request (``error`` set when it could not score)."""
+
+    focus: float | None
+    head_scores: dict[HeadKey, float] = field(default_factory=dict)  # focus per head
+    head_stats: dict[HeadKey, tuple[float, ...]] = field(default_factory=dict)  # ATTENTION_STATS
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    probe_seconds: float = 0.0
+    stopped: bool = False  # ended right after prefill by ``stop_below``
+
+    @property
+    def signals(self) -> dict[str, float]:
+        """Every score the probe produced, by signal name (empty when it could not score)."""
+        return {} if self.focus is None else {FOCUS: self.focus}
+
+
+@dataclass(frozen=True)
+class GuardedOutput:
+    """One request's result: its prompt and spans (for audit), the text, and the probe result.
+
+    ``error`` is set (and ``probe`` is None) when the request itself was invalid; it was then not
+    sent to the engine, and the other requests of the batch were answered normally.
+    """
+
+    index: int
+    prompt: PreparedPrompt | None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    probe: ProbeResult | None = None
+    error: GuardrailError | None = None
+    steering: SteeringReport | None = None  # set for steered requests
+
+
+class GuardEngine(Protocol):
+    """The engine interface the guard layer uses (``HookedLLM``, ``FakeEngine``)."""
+
+    config: ModelProbeConfig
+    model_info: ModelInfo
+
+    @property
+    def stop_token(self) -> int | None:
+        """The token an early-stopped request ends with (None: no early stops)."""
+        ...
+
+    @property
+    def steering_vectors(self) -> Mapping[str, SteeringVector]: ...
+
+    def load_steering_vector(self, vector: str | Path | SteeringVector) -> SteeringVector: ...
+
+    def generate(
+        self,
+        requests: Sequence[RequestLike],
+        sampling_params: Any | Sequence[Any] | None = None,
+        *,
+        stop_below: float | Sequence[float | None] | None = None,
+        stop_on_probe_error: bool | Sequence[bool] = True,
+        probe_keys: Sequence[str | None] | None = None,
+        steering: SteeringLike | Sequence[SteeringLike | None] | None = None,
+    ) -> list[GuardedOutput]: ...
+
+    def close(self) -> None: ...
+
+
+def per_request(value: Any, n: int, name: str) -> list[Any]:
+    """``value`` once per request: a sequence (not a string) must have one entry per request.
+
+    Example:
+        >>> per_request(0.5, 2, "stop_below"), per_request([1, 2], 2, "stop_below")
+        ([0.5, 0.5], [1, 2])
+        >>> per_request([1], 2, "stop_below")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        guardrail.errors.ConfigError: got 1 values of stop_below for 2 requests; pass one, ...
+    """
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != n:
+            raise ConfigError(
+                f"got {len(value)} values of {name} for {n} requests; pass one, or one per request"
+            )
+        return list(value)
+    return [value] * n

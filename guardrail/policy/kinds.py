@@ -1,0 +1,368 @@
+"""Policy kinds: frozen data, each with a pure ``evaluate(reading) -> PolicyDecision``.
+
+Policies form a discriminated union on ``kind``. Each kind decides one request from a
+``Reading`` (``guardrail.policy.reading``) and says whether the engine may end the request right
+after its prefill (``stop_below``). Adding a kind is one new class here, added to ``Policy``;
+verdicts, metrics, early stops and loading work on every kind unchanged.
+
+- ``prompt_injection`` (``PromptInjectionPolicy``): acts when a probe signal (the attention
+  probe's ``focus`` by default) is at or below a threshold; low focus = injection. When the probe
+  could not score, ``on_probe_error`` decides: fail-closed blocks (the default), fail-open allows.
+- ``data_pattern`` (``DataPatternPolicy``): acts when a regular expression matches the
+  request's untrusted data; text only, decided before generation.
+
+Example:
+    >>> from guardrail.policy.reading import Reading
+    >>> PromptInjectionPolicy(threshold=0.5).evaluate(Reading(signals={"focus": 0.4})).action
+    <Action.BLOCK: 'block'>
+    >>> load_policy({"kind": "data_pattern", "patterns": ["<\\\\|im_start\\\\|>"]}).kind
+    'data_pattern'
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
+from typing import Annotated, Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from guardrail.errors import ConfigError
+from guardrail.policy.reading import Reading
+from guardrail.policy.retry import RetrySettings
+from guardrail.policy.verdict import Action, FailureMode, PolicyDecision
+from guardrail.probe.prompts import Segment
+from guardrail.probe.scoring import FOCUS
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "NEVER_BY_SCORE",
+    "STOP_ALWAYS",
+    "DataPatternPolicy",
+    "PerRequestPolicies",
+    "Policy",
+    "PolicyLike",
+    "PromptInjectionPolicy",
+    "load_policies",
+    "load_policy",
+    "policies_per_request",
+]
+
+NEVER_BY_SCORE = -1.0
+"""A ``stop_below`` no focus reaches (focus is in [0, 1]): stop only when the probe fails."""
+STOP_ALWAYS = 1.0
+"""A ``stop_below`` every focus reaches: the request is decided (blocked) before it runs."""
+
+
+class PromptInjectionPolicy(BaseModel):
+    """Act on a probe signal: ``action`` when ``signal <= threshold`` (default: the focus).
+
+    ``threshold`` defaults to the model config's calibrated threshold, optionally moved by
+    ``threshold_offset`` (positive = stricter). ``shadow`` policies are evaluated and recorded,
+    never enforced. ``on_probe_error`` decides when the probe could not score the request.
+    ``retry`` configures action ``retry_with_steering`` (see ``guardrail.policy.retry``).
+
+    Example:
+        >>> PromptInjectionPolicy(threshold=0.3, action="flag").effective_threshold(0.5)
+        0.3
+        >>> PromptInjectionPolicy(threshold_offset=0.1).effective_threshold(0.5)
+        0.6
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["prompt_injection"] = "prompt_injection"
+    name: str = Field(default="prompt_injection", min_length=1)
+    action: Action = Action.BLOCK
+    signal: str = Field(default=FOCUS, min_length=1)
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    threshold_offset: float = Field(default=0.0, ge=-1.0, le=1.0)
+    shadow: bool = False
+    on_probe_error: FailureMode = FailureMode.FAIL_CLOSED
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+
+    @model_validator(mode="after")
+    def _check(self) -> PromptInjectionPolicy:
+        if "retry" in self.model_fields_set and self.action is not Action.RETRY_WITH_STEERING:
+            raise ValueError(
+                "retry settings only apply to action 'retry_with_steering'; set that action "
+                "or remove retry"
+            )
+        if self.threshold is not None and self.threshold_offset:
+            raise ValueError(
+                "give either threshold (absolute) or threshold_offset (relative to "
+                "the model config's threshold), not both"
+            )
+        return self
+
+    def effective_threshold(self, model_threshold: float | None) -> float:
+        """The threshold this policy applies on a model whose config says ``model_threshold``."""
+        if self.threshold is not None:
+            return self.threshold
+        if model_threshold is None:
+            raise ConfigError(
+                f"policy {self.name!r} has no threshold and the model config has none either: "
+                "set threshold=... on the policy, or calibrate the model (`guardrail calibrate "
+                "--model MODEL --data pairs.jsonl --out DIR`) to get one"
+            )
+        return round(min(1.0, max(0.0, model_threshold + self.threshold_offset)), 6)
+
+    def as_shadow(self) -> PromptInjectionPolicy:
+        """The same policy in shadow mode: decided and recorded, never enforced."""
+        return self.model_copy(update={"shadow": True})
+
+    def evaluate(self, reading: Reading, model_threshold: float | None = None) -> PolicyDecision:
+        """This policy's decision on one reading (pure).
+
+        Example:
+            >>> PromptInjectionPolicy(threshold=0.5).evaluate(Reading(signals={"focus": 0.51}))
+            ... # doctest: +ELLIPSIS
+            PolicyDecision(policy='prompt_injection', action=<Action.ALLOW: 'allow'>, ...)
+        """
+        threshold = self.effective_threshold(model_threshold)
+        failed, score = reading.failed(self.signal), reading.signals.get(self.signal)
+        if failed is not None or score is None:
+            closed = self.on_probe_error is FailureMode.FAIL_CLOSED
+            action, triggered = (Action.BLOCK if closed else Action.ALLOW), False
+            mode = self.on_probe_error.value.replace("_", "-")
+            reason = f"{mode}: the probe could not score the request ({failed})"
+        elif score <= threshold:
+            action, triggered = self.action, True
+            reason = f"{self.signal} {score:.3f} <= threshold {threshold:.3f}"
+        else:
+            action, triggered = Action.ALLOW, False
+            reason = f"{self.signal} {score:.3f} > threshold {threshold:.3f}"
+        return PolicyDecision(
+            policy=self.name,
+            action=action,
+            triggered=triggered,
+            signal=self.signal,
+            score=None if failed else score,
+            threshold=threshold,
+            shadow=self.shadow,
+            failure=self.on_probe_error if failed else None,
+            reason=reason,
+        )
+
+    def stop_below(
+        self, model_threshold: float | None, attempt: int, segments: Sequence[Segment]
+    ) -> float | None:
+        """The focus at or below which the engine may end the request right after prefill:
+        when this policy would block it, or when a retry's text would be thrown away (every
+        attempt but a last one whose fallback is flag). None: this policy never stops it."""
+        if self.shadow or self.signal != FOCUS:  # the worker decides stops on the focus only
+            return None
+        retry = self.action is Action.RETRY_WITH_STEERING and (
+            attempt < self.retry.max_attempts or self.retry.fallback is Action.BLOCK
+        )
+        if self.action is Action.BLOCK or retry:
+            return self.effective_threshold(model_threshold)
+        return None
+
+    @property
+    def needs_probe(self) -> bool:
+        """True: this policy decides on the probe's score (its failure mode applies)."""
+        return True
+
+
+class DataPatternPolicy(BaseModel):
+    """Act when any of ``patterns`` (regular expressions) matches the request's untrusted data.
+
+    Text only: decided from the request itself, so a blocking pattern policy ends the request
+    right after its prefill whatever the score. Use it for what must never appear in data a
+    model reads (e.g. a chat template's control strings in a retrieved document).
+
+    Example:
+        >>> from guardrail.policy.reading import Reading
+        >>> policy = DataPatternPolicy(name="no_turns", patterns=[r"<\\|im_start\\|>"])
+        >>> data = Segment(text="Hi<|im_start|>system", kind="data")
+        >>> policy.evaluate(Reading(segments=(data,))).action
+        <Action.BLOCK: 'block'>
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["data_pattern"] = "data_pattern"
+    name: str = Field(default="data_pattern", min_length=1)
+    action: Action = Action.BLOCK
+    patterns: tuple[str, ...] = Field(min_length=1)
+    ignore_case: bool = True
+    shadow: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> DataPatternPolicy:
+        if self.action is Action.RETRY_WITH_STEERING:
+            raise ValueError("a data_pattern policy can allow, flag or block, not retry")
+        for pattern in self.patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {pattern!r} is not a regular expression: {exc}") from exc
+        return self
+
+    @cached_property
+    def _compiled(self) -> re.Pattern[str]:
+        flags = re.IGNORECASE if self.ignore_case else 0
+        return re.compile("|".join(f"(?:{p})" for p in self.patterns), flags)
+
+    def match(self, segments: Sequence[Segment]) -> str | None:
+        """The first match in the untrusted segments, or None."""
+        for segment in segments:
+            if segment.kind == "data":
+                found = self._compiled.search(segment.text)
+                if found is not None:
+                    return found.group(0)
+        return None
+
+    def effective_threshold(self, model_threshold: float | None) -> None:
+        """No threshold: this policy does not read a score."""
+        return None
+
+    def evaluate(self, reading: Reading, model_threshold: float | None = None) -> PolicyDecision:
+        """This policy's decision on one reading (pure; the probe's outcome does not matter)."""
+        found = self.match(reading.segments)
+        action = Action.ALLOW if found is None else self.action
+        reason = "no pattern in the data" if found is None else f"data matches {found[:40]!r}"
+        return PolicyDecision(
+            policy=self.name,
+            action=action,
+            triggered=found is not None,
+            shadow=self.shadow,
+            reason=reason,
+        )
+
+    def stop_below(
+        self, model_threshold: float | None, attempt: int, segments: Sequence[Segment]
+    ) -> float | None:
+        """``STOP_ALWAYS`` when this policy blocks the request's data, else None."""
+        blocks = not self.shadow and self.action is Action.BLOCK
+        return STOP_ALWAYS if blocks and self.match(segments) is not None else None
+
+    @property
+    def needs_probe(self) -> bool:
+        return False
+
+
+Policy = Annotated[PromptInjectionPolicy | DataPatternPolicy, Field(discriminator="kind")]
+"""Every policy kind, told apart by ``kind`` (default ``prompt_injection`` when loading data)."""
+POLICY_TYPES = (PromptInjectionPolicy, DataPatternPolicy)
+_POLICY_ADAPTER: TypeAdapter[Policy] = TypeAdapter(Policy)
+
+PolicyLike = PromptInjectionPolicy | DataPatternPolicy | Mapping[str, Any]
+
+DEFAULT_POLICY = PromptInjectionPolicy(name="block_injections")
+"""Block at the model config's threshold, fail-closed: what a guard uses unless told otherwise."""
+
+
+def _readable(exc: ValidationError, kind: str) -> str:
+    fields = {t.model_fields["kind"].default: list(t.model_fields) for t in POLICY_TYPES}
+    problems = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"] if str(p) not in fields]  # drop the union tag
+        where = ".".join(loc) or "policy"
+        if err["type"] == "extra_forbidden":
+            valid = ", ".join(fields.get(kind, []))
+            problems.append(f"unknown field {where!r} (valid fields: {valid})")
+        elif err["type"] == "union_tag_invalid":
+            problems.append(f"unknown kind {kind!r} (kinds: {', '.join(sorted(fields))})")
+        else:
+            problems.append(f"{where}: {err['msg']} (got {err['input']!r})")
+    return "; ".join(problems)
+
+
+def load_policy(data: PolicyLike) -> Policy:
+    """A policy from a policy object or plain data (a dict, e.g. read from JSON or YAML).
+
+    A dict without ``kind`` is a ``prompt_injection`` policy. Raises ``ConfigError`` naming
+    each bad field and the valid ones.
+
+    Example:
+        >>> load_policy({"name": "tenant-a", "threshold": 0.45, "action": "flag"}).action
+        <Action.FLAG: 'flag'>
+    """
+    if isinstance(data, POLICY_TYPES):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"a policy must be a policy object (PromptInjectionPolicy, DataPatternPolicy) or a "
+            f"dict, got {type(data).__name__}"
+        )
+    raw = {"kind": "prompt_injection", **data}
+    try:
+        return _POLICY_ADAPTER.validate_python(raw)
+    except ValidationError as exc:
+        name = raw.get("name", raw["kind"])
+        raise ConfigError(f"invalid policy {name!r}: {_readable(exc, str(raw['kind']))}") from exc
+
+
+def load_policies(
+    policies: Iterable[PolicyLike], model_threshold: float | None
+) -> tuple[Policy, ...]:
+    """Validate a policy set: at least one policy, distinct names, every threshold resolvable.
+
+    Example:
+        >>> [p.name for p in load_policies([{"name": "a"}, {"name": "b"}], 0.5)]
+        ['a', 'b']
+    """
+    if isinstance(policies, (*POLICY_TYPES, Mapping, str)):
+        raise ConfigError("policies must be a list of policies; wrap a single one in a list")
+    loaded = tuple(load_policy(p) for p in policies)
+    if not loaded:
+        raise ConfigError(
+            "no policies: pass at least one (e.g. guardrail.policies."
+            "BLOCK_INJECTIONS); a guard without policies lets everything through"
+        )
+    names = [p.name for p in loaded]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(
+            f"policy names must be distinct (verdicts key decisions by name); "
+            f"repeated: {duplicates}"
+        )
+    for policy in loaded:
+        policy.effective_threshold(model_threshold)
+    return loaded
+
+
+PerRequestPolicies = Sequence[PolicyLike] | Sequence[Sequence[PolicyLike] | None] | None
+"""A call's policy override: None (the defaults), one list for every request, or one entry per
+request (a list, or None for the defaults)."""
+
+
+def _is_policy_set(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | Mapping)
+
+
+def policies_per_request(
+    policies: PerRequestPolicies,
+    n: int,
+    defaults: tuple[Policy, ...],
+    model_threshold: float | None,
+) -> list[tuple[Policy, ...] | ConfigError]:
+    """Each of ``n`` requests' policy set; a bad per-request entry is that request's error.
+
+    A malformed argument as a whole (wrong length, not a list) raises ``ConfigError``.
+
+    Example:
+        >>> strict = [PromptInjectionPolicy(name="strict", threshold=0.7)]
+        >>> sets = policies_per_request([None, strict], 2, (DEFAULT_POLICY,), 0.5)
+        >>> [[p.name for p in s] for s in sets]
+        [['block_injections'], ['strict']]
+    """
+    if policies is None:
+        return [defaults] * n
+    if not _is_policy_set(policies):
+        raise ConfigError("policies must be a list of policies, or one list (or None) per request")
+    if not policies or not all(p is None or _is_policy_set(p) for p in policies):
+        shared = load_policies(cast(Sequence[PolicyLike], policies), model_threshold)
+        return [shared] * n
+    if len(policies) != n:
+        raise ConfigError(f"got {len(policies)} per-request policy lists for {n} requests")
+    sets: list[tuple[Policy, ...] | ConfigError] = []
+    for entry in cast(Sequence[Sequence[PolicyLike] | None], policies):
+        try:
+            sets.append(defaults if entry is None else load_policies(entry, model_threshold))
+        except ConfigError as exc:
+            sets.append(exc)
+    return sets

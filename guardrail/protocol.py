@@ -1,0 +1,142 @@
+"""The engine <-> worker wire format, written once and imported by both sides.
+
+Everything that crosses the process boundary between the caller (``guardrail.engine``) and the
+worker extension (``guardrail.worker``) is defined here: the ``SamplingParams.extra_args`` keys a
+request carries, the plain-data specs under them, the names of the ``collective_rpc`` methods and
+the dicts those methods return. Only plain Python data crosses (vLLM serialises ``extra_args``
+with msgspec and RPC results with pickle): lists, not tuples; no tensors.
+
+Example:
+    >>> spec: ProbeSpec = {"key": "r1", "instruction": [[0, 4]], "data": [[5, 9]],
+    ...                    "num_prompt_tokens": 12}
+    >>> sorted(spec)
+    ['data', 'instruction', 'key', 'num_prompt_tokens']
+"""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypedDict
+
+__all__ = [
+    "CAPTURE_ARG",
+    "MAX_STORED_RESULTS",
+    "PROBE_ARG",
+    "RPC_CAPTURE_LAYERS",
+    "RPC_INSTALL",
+    "RPC_LOAD_STEERING",
+    "RPC_MODEL_INFO",
+    "RPC_POP_RESULTS",
+    "RPC_POP_STEERING",
+    "RPC_SET_FAULTS",
+    "RPC_UNINSTALL",
+    "RPC_UNLOAD_STEERING",
+    "STEER_ARG",
+    "STOP_PROCESSOR",
+    "WORKER_EXTENSION",
+    "CaptureSpec",
+    "ModelInfo",
+    "ProbeResultData",
+    "ProbeSpec",
+    "SteerReportData",
+    "SteerSpec",
+]
+
+# -- where vLLM finds the worker side -----------------------------------------------------------
+WORKER_EXTENSION = "guardrail.worker.extension.GuardrailWorkerExtension"
+"""``LLM(worker_extension_cls=...)``: mixed into vLLM's worker class in the worker process."""
+STOP_PROCESSOR = "guardrail.worker.stop:ProbeStopLogitsProcessor"
+"""``LLM(logits_processors=[...])``: ends probe-stopped requests right after prefill."""
+
+# -- SamplingParams.extra_args keys ---------------------------------------------------------------
+PROBE_ARG = "guardrail_probe"
+"""A probed request's ``ProbeSpec``."""
+STEER_ARG = "guardrail_steer"
+"""A steered request's ``SteerSpec``."""
+CAPTURE_ARG = "guardrail_capture"
+"""A request whose last-prompt-token residual stream is captured: a ``CaptureSpec``."""
+
+MAX_STORED_RESULTS = 65536
+"""Results and reports wait in the worker until popped; past this many the oldest are dropped."""
+
+# -- collective_rpc method names (methods of GuardrailWorkerExtension) --------------------------
+RPC_MODEL_INFO = "guardrail_model_info"  # () -> ModelInfo
+RPC_INSTALL = "guardrail_install"  # (heads: [[layer, head]], config: dict) -> ModelInfo
+RPC_UNINSTALL = "guardrail_uninstall"  # () -> None
+RPC_POP_RESULTS = "guardrail_pop_results"  # (keys: [str]) -> {key: ProbeResultData}
+RPC_SET_FAULTS = "guardrail_set_faults"  # (keys: [str]) -> None
+RPC_LOAD_STEERING = "guardrail_load_steering"  # (name, direction, layer, avg_proj) -> [layer]
+RPC_UNLOAD_STEERING = "guardrail_unload_steering"  # (names: [str] | None) -> [layer]
+RPC_CAPTURE_LAYERS = "guardrail_capture_layers"  # (layers: [int]) -> [layer]
+RPC_POP_STEERING = "guardrail_pop_steering"  # (keys: [str]) -> {key: SteerReportData}
+
+
+class ProbeSpec(TypedDict):
+    """``extra_args[PROBE_ARG]``: what the worker needs to score one request.
+
+    Spans are half-open token ranges on the request's prompt token ids. The ``stop_*`` fields
+    are present only when the request may be ended right after its prefill.
+    """
+
+    key: str  # the caller's key for this request's result (never vLLM's request id)
+    instruction: list[list[int]]
+    data: list[list[int]]
+    num_prompt_tokens: int
+    stop_below: NotRequired[float]  # end the request when its focus is at or below this
+    stop_on_error: NotRequired[bool]  # ... or when the probe could not score it
+    stop_token: NotRequired[int]  # the token forced as its first (and only) output
+
+
+class SteerSpec(TypedDict):
+    """``extra_args[STEER_ARG]``: steer this request with a vector loaded in the worker."""
+
+    key: str
+    vector: str
+    method: str  # "add_vector" | "adjust_rs"
+    coefficient: float
+
+
+class CaptureSpec(TypedDict):
+    """``extra_args[CAPTURE_ARG]``: capture this request's residual stream at the capture
+    layers, at its last prompt token."""
+
+    key: str
+
+
+class ProbeResultData(TypedDict):
+    """One request's probe result, popped by key (``RPC_POP_RESULTS``), from one rank."""
+
+    num_prompt_tokens: int
+    probe_seconds: float
+    heads: NotRequired[list[list[Any]]]  # [[layer, head, [stats...]], ...] when scored
+    error: NotRequired[str]  # why the probe could not score (the request is then unscored)
+    focus: NotRequired[float]  # computed in the worker when it decided an early stop
+    stopped: NotRequired[bool]  # ended right after prefill
+
+
+class SteerReportData(TypedDict):
+    """One request's steering/capture report (``RPC_POP_STEERING``), from one rank."""
+
+    tokens: int  # positions the steering hook changed
+    error: str | None
+    residuals: list[list[Any]]  # [[layer, [values...]], ...] captured streams
+
+
+class ModelInfo(TypedDict):
+    """Facts about the served model and engine (``RPC_MODEL_INFO``), validated by the caller."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    hidden_size: int
+    attention_layers: int
+    backend: str
+    isa: str | None
+    kv_cache_dtype: str
+    block_size: int
+    enforce_eager: bool
+    compilation_mode: str
+    cudagraph_mode: str
+    tp_rank: int
+    tp_size: int
+    device: str
+    hooked_layers: NotRequired[list[int]]

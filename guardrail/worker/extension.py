@@ -1,0 +1,148 @@
+"""The worker extension: the RPC surface of the worker side (``guardrail.protocol``'s RPC_*).
+
+vLLM instantiates ``GuardrailWorkerExtension`` as a mixin of its worker (``worker_extension_cls``),
+in the worker process, and the caller drives it with ``collective_rpc``. The extension holds two
+components and forwards to them: the attention probe (``guardrail.worker.probe``) and the
+steering/capture hooks (``guardrail.worker.steering``). The ``guardrail.worker`` package is the
+only code that touches vLLM internals.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from guardrail.probe.config import ModelProbeConfig
+from guardrail.protocol import ModelInfo, ProbeResultData, SteerReportData
+from guardrail.worker.probe import PROBES, Probe, install_probe, uninstall_probe
+from guardrail.worker.steering import SteeringHooks
+
+__all__ = ["GuardrailWorkerExtension"]
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class GuardrailWorkerExtension:
+    """Mixed into vLLM's worker class; every public method is called through ``collective_rpc``.
+
+    ``self.model_runner`` is the worker's (vLLM's) model runner.
+    """
+
+    model_runner: Any  # provided by vLLM's worker class
+    _guardrail_probe: Probe | None = None
+    _guardrail_steering: SteeringHooks | None = None
+    _guardrail_faults: set[str] | None = None
+
+    # -- facts -----------------------------------------------------------------------------------
+    def guardrail_model_info(self) -> ModelInfo:
+        """Sizes, backend and compilation facts the caller validates configs against."""
+        from vllm.distributed import parallel_state
+
+        vcfg = self.model_runner.vllm_config
+        text_cfg = vcfg.model_config.hf_text_config
+        layers = self._attention_layers()
+        first = next(iter(layers.values()))
+        return {
+            "num_layers": int(text_cfg.num_hidden_layers),
+            "num_heads": int(text_cfg.num_attention_heads),
+            "num_kv_heads": int(
+                getattr(text_cfg, "num_key_value_heads", text_cfg.num_attention_heads)
+            ),
+            "hidden_size": int(text_cfg.hidden_size),
+            "attention_layers": len(layers),
+            "backend": type(first.impl).__name__,
+            "isa": getattr(first, "isa", None),
+            "kv_cache_dtype": str(vcfg.cache_config.cache_dtype),
+            "block_size": int(vcfg.cache_config.block_size),
+            "enforce_eager": bool(vcfg.model_config.enforce_eager),
+            "compilation_mode": str(getattr(vcfg.compilation_config, "mode", None)),
+            "cudagraph_mode": str(getattr(vcfg.compilation_config, "cudagraph_mode", None)),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "device": str(self.model_runner.device),
+        }
+
+    def _attention_layers(self) -> dict[int, Any]:
+        context = self.model_runner.vllm_config.compilation_config.static_forward_context
+        layers = {}
+        for name, module in context.items():
+            match = _LAYER_INDEX.search(name)
+            if match and hasattr(module, "impl"):
+                layers[int(match.group(1))] = module
+        return layers
+
+    # -- the probe -------------------------------------------------------------------------------
+    def _faults(self) -> set[str]:
+        if self._guardrail_faults is None:
+            self._guardrail_faults = set()
+        return self._guardrail_faults
+
+    def guardrail_install(self, heads: list[list[int]], config: dict[str, Any]) -> ModelInfo:
+        """Install the probe on the layers holding ``heads`` ([layer, head], global indices).
+
+        ``config`` is the model's ``ModelProbeConfig`` as plain data: with every head on this
+        rank, the worker combines head scores into the focus itself (for early stops).
+        """
+        self.guardrail_uninstall()
+        info = self.guardrail_model_info()
+        if info["kv_cache_dtype"] not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(
+                f"quantized KV cache ({info['kv_cache_dtype']}) is not supported by "
+                "the probe: keys read back would be quantized; use kv_cache_dtype='auto'"
+            )
+        whole = ModelProbeConfig.model_validate(config) if info["tp_size"] == 1 else None
+        probe = install_probe(
+            self.model_runner,
+            self._attention_layers(),
+            [(int(a), int(b)) for a, b in heads],
+            dict(info),
+            self._faults(),
+            whole,
+        )
+        self._guardrail_probe = probe
+        PROBES[id(self.model_runner.vllm_config)] = probe
+        return {**info, "hooked_layers": sorted(probe.layers)}
+
+    def guardrail_uninstall(self) -> None:
+        """Remove the probe; the engine runs exactly as before it was installed."""
+        if self._guardrail_probe is not None:
+            uninstall_probe(self._guardrail_probe)
+        self._guardrail_probe = None
+        PROBES.pop(id(self.model_runner.vllm_config), None)
+
+    def guardrail_pop_results(self, keys: list[str]) -> dict[str, ProbeResultData]:
+        """Remove and return the stored results of ``keys`` (missing keys are absent)."""
+        probe = self._guardrail_probe
+        if probe is None:
+            return {}
+        return {k: probe.results.pop(k) for k in keys if k in probe.results}
+
+    def guardrail_set_faults(self, keys: list[str]) -> None:
+        """Testing hook: requests with these probe keys fail inside the probe."""
+        faults = self._faults()
+        faults.clear()
+        faults.update(keys)
+
+    # -- steering and capture --------------------------------------------------------------------
+    def _steering(self) -> SteeringHooks:
+        if self._guardrail_steering is None:
+            self._guardrail_steering = SteeringHooks(self.model_runner)
+        return self._guardrail_steering
+
+    def guardrail_load_steering(
+        self, name: str, direction: list[float], layer: int, avg_proj: float
+    ) -> list[int]:
+        """Keep a vector under ``name`` and hook its layer; returns the hooked layers."""
+        return self._steering().load(name, direction, layer, avg_proj)
+
+    def guardrail_unload_steering(self, names: list[str] | None = None) -> list[int]:
+        """Forget vectors (all when ``names`` is None); returns the hooked layers."""
+        return self._steering().unload(names)
+
+    def guardrail_capture_layers(self, layers: list[int]) -> list[int]:
+        """Capture the stream at these layers for requests carrying ``CAPTURE_ARG``."""
+        return self._steering().capture(layers)
+
+    def guardrail_pop_steering(self, keys: list[str]) -> dict[str, SteerReportData]:
+        """Remove and return the steering/capture reports of ``keys``."""
+        return self._steering().pop(keys)

@@ -1,0 +1,445 @@
+"""``GuardrailMetrics`` on hand-built verdicts: exact counter and histogram deltas, names, labels.
+
+Every test builds a fresh ``CollectorRegistry``; nothing touches the global one except the test
+that checks the default, which unregisters what it added.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.utils import floatToGoString
+
+from guardrail.metrics.recorder import (
+    FOCUS_SCORE_BUCKETS,
+    PROBE_DURATION_BUCKETS,
+    PROBE_ERROR_REASONS,
+    GuardrailMetrics,
+    probe_error_reason,
+)
+from guardrail.policy.verdict import Action, Attempt, FailureMode, PolicyDecision, Verdict
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "tiny-llama"
+ALLOWED_LABELS = {
+    "model_name",
+    "policy",
+    "action",
+    "shadow",
+    "mode",
+    "outcome",
+    "reason",
+    "version",
+    "vllm_version",
+}
+
+
+def decision(
+    policy: str,
+    action: Action,
+    *,
+    shadow: bool = False,
+    failure: FailureMode | None = None,
+    score: float | None = 0.6,
+) -> PolicyDecision:
+    return PolicyDecision(
+        policy=policy,
+        action=action,
+        score=None if failure else score,
+        threshold=0.5,
+        shadow=shadow,
+        failure=failure,
+        reason="test",
+    )
+
+
+def verdict(
+    action: Action = Action.ALLOW,
+    *,
+    focus: float | None = 0.6,
+    decisions: list[PolicyDecision] | None = None,
+    probe_error: str | None = None,
+    latency: float = 0.002,
+    attempts: int = 1,
+    request_id: str = "r1",
+) -> Verdict:
+    return Verdict(
+        request_id=request_id,
+        action=action,
+        focus=focus,
+        probe_error=probe_error,
+        decisions=tuple(decisions if decisions is not None else [decision("block_low", action)]),
+        probe_latency_s=latency,
+        reason="test",
+        attempts=tuple(Attempt(focus=focus, action=action, steered=i > 0) for i in range(attempts)),
+    )
+
+
+class Reader:
+    """Reads samples of one registry; missing series read as 0 so deltas start anywhere."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def __call__(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    def snapshot(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in self.registry.collect()
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    def delta(self, before: dict, after: dict | None = None) -> dict:
+        after = self.snapshot() if after is None else after
+        return {
+            key: after[key] - before.get(key, 0.0)
+            for key in after
+            if after[key] != before.get(key, 0.0)
+        }
+
+
+@pytest.fixture()
+def metrics() -> GuardrailMetrics:
+    return GuardrailMetrics(CollectorRegistry(), model_name=MODEL)
+
+
+@pytest.fixture()
+def read(metrics: GuardrailMetrics) -> Reader:
+    return Reader(metrics.registry)
+
+
+def key(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return name, tuple(sorted(labels.items()))
+
+
+def buckets_at_or_above(name: str, bounds: tuple[float, ...], value: float) -> dict:
+    """The ``_bucket`` series one observation of ``value`` moves: every ``le >= value``."""
+    return {
+        key(name, model_name=MODEL, le=floatToGoString(b)): 1.0
+        for b in (*bounds, math.inf)
+        if value <= b
+    }
+
+
+def test_allowed_request_moves_exactly_its_series(metrics, read):
+    before = read.snapshot()
+    metrics.observe_verdict(verdict(Action.ALLOW, focus=0.61, latency=0.003), MODEL)
+    expected = {
+        key("guardrail_requests_total", model_name=MODEL, action="allow"): 1.0,
+        key(
+            "guardrail_decisions_total",
+            model_name=MODEL,
+            policy="block_low",
+            action="allow",
+            shadow="false",
+        ): 1.0,
+        key("guardrail_probe_focus_score_count", model_name=MODEL): 1.0,
+        key("guardrail_probe_focus_score_sum", model_name=MODEL): 0.61,
+        key("guardrail_probe_duration_seconds_count", model_name=MODEL): 1.0,
+        key("guardrail_probe_duration_seconds_sum", model_name=MODEL): 0.003,
+        **buckets_at_or_above("guardrail_probe_focus_score_bucket", FOCUS_SCORE_BUCKETS, 0.61),
+        **buckets_at_or_above(
+            "guardrail_probe_duration_seconds_bucket", PROBE_DURATION_BUCKETS, 0.003
+        ),
+    }
+    assert len(expected) == 6 + 11 + 12  # 0.625 .. 1.0 and +Inf; 0.005 .. 10.0 and +Inf
+    assert read.delta(before) == pytest.approx(expected)
+
+
+def test_focus_buckets_count_like_the_policy_compares(metrics, read):
+    """``le`` is inclusive like ``focus <= threshold``: a score on a threshold is in its bucket."""
+    for focus in (0.5, 0.49, 0.51, 0.3, 0.95):
+        metrics.observe_verdict(verdict(focus=focus), MODEL)
+    bucket = "guardrail_probe_focus_score_bucket"
+    assert read(bucket, model_name=MODEL, le="0.5") == 3.0
+    assert read(bucket, model_name=MODEL, le="0.475") == 1.0
+    assert read(bucket, model_name=MODEL, le="0.3") == 1.0
+    assert read(bucket, model_name=MODEL, le="0.25") == 0.0
+    assert read(bucket, model_name=MODEL, le="+Inf") == 5.0
+    assert read("guardrail_probe_focus_score_sum", model_name=MODEL) == pytest.approx(2.75)
+
+
+def test_every_policy_decision_is_counted_with_its_shadow_flag(metrics, read):
+    decisions = [
+        decision("strict", Action.BLOCK),
+        decision("watch", Action.FLAG),
+        decision("canary", Action.BLOCK, shadow=True),
+    ]
+    metrics.observe_verdict(verdict(Action.BLOCK, focus=0.2, decisions=decisions), MODEL)
+    metrics.observe_verdict(
+        verdict(Action.ALLOW, focus=0.9, decisions=[decision("canary", Action.ALLOW, shadow=True)]),
+        MODEL,
+    )
+    count = "guardrail_decisions_total"
+    assert read(count, model_name=MODEL, policy="strict", action="block", shadow="false") == 1
+    assert read(count, model_name=MODEL, policy="watch", action="flag", shadow="false") == 1
+    assert read(count, model_name=MODEL, policy="canary", action="block", shadow="true") == 1
+    assert read(count, model_name=MODEL, policy="canary", action="allow", shadow="true") == 1
+    assert read("guardrail_requests_total", model_name=MODEL, action="block") == 1
+    assert read("guardrail_requests_total", model_name=MODEL, action="allow") == 1
+    total = sum(v for (n, _), v in read.snapshot().items() if n == count)
+    assert total == 4
+
+
+def test_probe_error_counts_once_by_reason_and_records_failure_modes(metrics, read):
+    before = read.snapshot()
+    failed = [
+        decision("closed", Action.BLOCK, failure=FailureMode.FAIL_CLOSED),
+        decision("open", Action.ALLOW, failure=FailureMode.FAIL_OPEN),
+        decision("shadowed", Action.ALLOW, failure=FailureMode.FAIL_OPEN, shadow=True),
+    ]
+    metrics.observe_verdict(
+        verdict(
+            Action.BLOCK,
+            focus=None,
+            decisions=failed,
+            latency=0.0,
+            probe_error="layer 2: RuntimeError: fault injected",
+        ),
+        MODEL,
+    )
+    delta = read.delta(before)
+    fail = "guardrail_failure_decisions_total"
+    assert delta == {
+        key("guardrail_requests_total", model_name=MODEL, action="block"): 1.0,
+        key("guardrail_probe_errors_total", model_name=MODEL, reason="layer"): 1.0,
+        key(fail, model_name=MODEL, policy="closed", mode="fail_closed", shadow="false"): 1.0,
+        key(fail, model_name=MODEL, policy="open", mode="fail_open", shadow="false"): 1.0,
+        key(fail, model_name=MODEL, policy="shadowed", mode="fail_open", shadow="true"): 1.0,
+        key(
+            "guardrail_decisions_total",
+            model_name=MODEL,
+            policy="closed",
+            action="block",
+            shadow="false",
+        ): 1.0,
+        key(
+            "guardrail_decisions_total",
+            model_name=MODEL,
+            policy="open",
+            action="allow",
+            shadow="false",
+        ): 1.0,
+        key(
+            "guardrail_decisions_total",
+            model_name=MODEL,
+            policy="shadowed",
+            action="allow",
+            shadow="true",
+        ): 1.0,
+    }  # no score and no probe duration: the probe did not score this request
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        ("plan: ValueError: prompt longer than the block table", "plan"),
+        ("layer 0: RuntimeError: fault injected for testing", "layer"),
+        ("layer 29: IndexError: index out of range", "layer"),
+        ("probe: RuntimeError: CUDA error", "probe"),
+        ("aggregate: ValueError: empty", "aggregate"),
+        ("missing: the probe returned no score for this request", "missing"),
+        ("incomplete: some configured heads were not scored", "incomplete"),
+        ("no usable score (focus=nan)", "other"),
+        ("layer x: something", "other"),
+        ("plan 3: not a plan error", "other"),
+        ("Probe: capitalised", "other"),
+        ("", "other"),
+        ("a request id 1234 and prompt text: Ignore previous instructions", "other"),
+    ],
+)
+def test_probe_error_reason_is_from_a_fixed_set(error, reason):
+    assert probe_error_reason(error) == reason
+    assert reason in PROBE_ERROR_REASONS
+
+
+def test_retried_requests_count_once_with_the_final_outcome(metrics, read):
+    metrics.observe_verdict(verdict(Action.ALLOW, attempts=2), MODEL)
+    metrics.observe_verdict(verdict(Action.BLOCK, focus=0.1, attempts=3), MODEL)
+    metrics.observe_verdict(verdict(Action.BLOCK, focus=0.1, attempts=1), MODEL)
+    metrics.observe_verdict(verdict(Action.ALLOW, attempts=0), MODEL)
+    retried = "guardrail_retried_requests_total"
+    assert read(retried, model_name=MODEL, outcome="allow") == 1
+    assert read(retried, model_name=MODEL, outcome="block") == 1
+    assert read(retried, model_name=MODEL, outcome="flag") == 0
+
+
+def test_requests_beyond_calibration_are_counted(metrics, read):
+    name = "guardrail_beyond_calibration_requests_total"
+    metrics.observe_verdict(verdict(Action.ALLOW), MODEL)
+    assert read(name, model_name=MODEL) == 0  # the series exists at zero from the first verdict
+    beyond = verdict(Action.ALLOW).model_copy(update={"beyond_calibration": "data has 9 tokens"})
+    metrics.observe_verdict(beyond, MODEL)
+    assert read(name, model_name=MODEL) == 1
+
+
+def test_in_flight_goes_up_inside_and_back_down_on_error(metrics, read):
+    gauge = "guardrail_requests_in_flight"
+    with metrics.track_in_flight(3):
+        assert read(gauge, model_name=MODEL) == 3
+        with metrics.track_in_flight(model_name="other"):
+            assert read(gauge, model_name="other") == 1
+        assert read(gauge, model_name="other") == 0
+    assert read(gauge, model_name=MODEL) == 0
+    with pytest.raises(RuntimeError), metrics.track_in_flight(2):
+        assert read(gauge, model_name=MODEL) == 2
+        raise RuntimeError("engine failed")
+    assert read(gauge, model_name=MODEL) == 0
+
+
+def test_thresholds_exported_and_policy_series_start_at_zero(metrics, read):
+    class FollowsModel:
+        name, threshold, shadow = "follows_model", None, False
+
+        def effective_threshold(self, model_threshold: float) -> float:
+            return model_threshold + 0.1
+
+    policies = [
+        SimpleNamespace(name="strict", threshold=0.45),
+        SimpleNamespace(name="canary", threshold=0.6, shadow=True),
+        SimpleNamespace(name="unresolved", threshold=None),
+        FollowsModel(),
+    ]
+    metrics.set_thresholds(policies, model_threshold=0.4)
+    gauge = "guardrail_policy_threshold"
+    assert read(gauge, model_name=MODEL, policy="strict") == 0.45
+    assert read(gauge, model_name=MODEL, policy="canary") == 0.6
+    assert read(gauge, model_name=MODEL, policy="follows_model") == pytest.approx(0.5)
+    assert (
+        metrics.registry.get_sample_value(gauge, {"model_name": MODEL, "policy": "unresolved"})
+        is None
+    )
+    fail_open = {"model_name": MODEL, "policy": "canary", "mode": "fail_open", "shadow": "true"}
+    assert metrics.registry.get_sample_value("guardrail_failure_decisions_total", fail_open) == 0
+    block = {"model_name": MODEL, "policy": "strict", "action": "block", "shadow": "false"}
+    assert metrics.registry.get_sample_value("guardrail_decisions_total", block) == 0
+
+
+def test_fixed_series_of_the_configured_model_exist_before_any_request(metrics):
+    registry = metrics.registry
+    for action in Action:
+        labels = {"model_name": MODEL, "action": action.value}
+        assert registry.get_sample_value("guardrail_requests_total", labels) == 0
+    for reason in PROBE_ERROR_REASONS:
+        labels = {"model_name": MODEL, "reason": reason}
+        assert registry.get_sample_value("guardrail_probe_errors_total", labels) == 0
+    assert (
+        registry.get_sample_value("guardrail_probe_focus_score_count", {"model_name": MODEL}) == 0
+    )
+
+
+def test_model_name_defaults_to_the_configured_one_and_separates_series(metrics, read):
+    metrics.observe_verdict(verdict())
+    metrics.observe_verdict(verdict(), "served-b")
+    total = "guardrail_requests_total"
+    assert read(total, model_name=MODEL, action="allow") == 1
+    assert read(total, model_name="served-b", action="allow") == 1
+
+
+def test_build_info_names_both_versions(metrics):
+    import vllm
+
+    try:
+        version = importlib.metadata.version("vllm-guardrail")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    labels = {"version": version, "vllm_version": vllm.__version__}
+    assert metrics.registry.get_sample_value("guardrail_build_info", labels) == 1
+    assert (
+        sum(
+            1
+            for f in metrics.registry.collect()
+            if f.name == "guardrail_build_info"
+            for _ in f.samples
+        )
+        == 1
+    )
+
+
+def test_names_labels_and_no_request_data_in_the_exposition(metrics):
+    failing = [decision("closed", Action.BLOCK, failure=FailureMode.FAIL_CLOSED)]
+    metrics.observe_verdict(verdict(request_id="req-7f3a9c", attempts=2), MODEL)
+    metrics.observe_verdict(
+        verdict(
+            Action.BLOCK,
+            focus=None,
+            decisions=failing,
+            request_id="req-0000",
+            probe_error="probe: secret prompt",
+        )
+    )
+    metrics.set_thresholds([SimpleNamespace(name="closed", threshold=0.5)])
+    with metrics.track_in_flight():
+        text = generate_latest(metrics.registry).decode()
+    assert "req-7f3a9c" not in text and "req-0000" not in text and "secret" not in text
+    families = list(metrics.registry.collect())
+    assert len(families) == 11
+    for family in families:
+        assert family.name.startswith("guardrail_") and "guardrail_guardrail" not in family.name
+        assert family.samples, f"{family.name} has no series"
+        for sample in family.samples:
+            assert set(sample.labels) - {"le"} <= ALLOWED_LABELS, sample
+            if family.type == "counter":
+                assert sample.name.endswith(("_total", "_created")), sample.name
+        if family.name.endswith("_seconds"):
+            assert family.type == "histogram"
+    assert "guardrail_probe_duration_seconds" in {f.name for f in families}
+
+
+def test_default_registry_is_the_global_one():
+    metrics = GuardrailMetrics(model_name="global-test")
+    try:
+        value = REGISTRY.get_sample_value(
+            "guardrail_requests_total", {"model_name": "global-test", "action": "allow"}
+        )
+        assert value == 0
+    finally:
+        metrics.unregister()
+    assert (
+        REGISTRY.get_sample_value(
+            "guardrail_requests_total", {"model_name": "global-test", "action": "allow"}
+        )
+        is None
+    )
+
+
+def test_importing_registers_nothing_and_sets_no_environment():
+    code = (
+        "import os, prometheus_client as p\n"
+        "before = set(p.REGISTRY._names_to_collectors), dict(os.environ)\n"
+        "import guardrail.metrics.recorder, guardrail.metrics.http\n"
+        "after = set(p.REGISTRY._names_to_collectors), dict(os.environ)\n"
+        "assert before == after, (after[0] - before[0])\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+def test_vllm_worker_code_records_no_metrics():
+    """Metrics recorded in a vLLM worker process are never scraped: the worker records none."""
+    tree = ast.parse((ROOT / "guardrail" / "_vllm_worker.py").read_text())
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+    assert imported, "the worker module has imports; parsing failed"
+    assert not {
+        m for m in imported if m.startswith(("prometheus_client", "guardrail.metrics.recorder"))
+    }

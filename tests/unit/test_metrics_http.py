@@ -1,0 +1,302 @@
+"""``/metrics`` over real HTTP on loopback: the one-call server, the ASGI app, multi-process mode.
+
+Every scrape goes through a socket and is parsed with prometheus_client's own text parser;
+assertions are exact deltas between two scrapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from guardrail.metrics.http import (
+    MULTIPROC_DIR_ENV,
+    make_asgi_app,
+    mark_process_dead,
+    multiprocess_registry,
+    scrape_registry,
+    start_metrics_server,
+)
+from guardrail.metrics.recorder import GuardrailMetrics
+from guardrail.policy.verdict import Action, FailureMode, PolicyDecision, Verdict
+
+ROOT = Path(__file__).resolve().parents[2]
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    """Exposition text to ``{(sample name, sorted labels): value}`` (``_created`` left out)."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def scrape(url: str) -> Samples:
+    response = httpx.get(url, timeout=10, follow_redirects=True)
+    response.raise_for_status()
+    assert response.headers["content-type"].startswith("text/plain")
+    return parse(response.text)
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def delta(before: Samples, after: Samples) -> Samples:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def allow_or_block(
+    focus: float | None, threshold: float = 0.5, *, error: str | None = None
+) -> Verdict:
+    action = Action.BLOCK if focus is None or focus <= threshold else Action.ALLOW
+    decision = PolicyDecision(
+        policy="block_low",
+        action=action,
+        score=focus,
+        threshold=threshold,
+        failure=FailureMode.FAIL_CLOSED if focus is None else None,
+        reason="test",
+    )
+    return Verdict(
+        request_id="r",
+        action=action,
+        decisions=(decision,),
+        focus=focus,
+        probe_error=error,
+        probe_latency_s=0.0 if focus is None else 0.004,
+        reason="test",
+    )
+
+
+def test_one_call_server_exposes_exact_deltas_over_http():
+    registry = CollectorRegistry()
+    metrics = GuardrailMetrics(registry, model_name="m")
+    with start_metrics_server(0, registry=registry) as server:
+        assert server.host == "127.0.0.1" and server.port > 0
+        before = scrape(server.url)
+        for focus in (0.9, 0.5, 0.2):
+            metrics.observe_verdict(allow_or_block(focus), "m")
+        metrics.observe_verdict(allow_or_block(None, error="missing: no score"), "m")
+        with metrics.track_in_flight(4):
+            during = scrape(server.url)
+        after = scrape(server.url)
+    got = delta(before, after)
+    assert sample(got, "guardrail_requests_total", model_name="m", action="allow") == 1
+    assert sample(got, "guardrail_requests_total", model_name="m", action="block") == 3
+    assert sample(got, "guardrail_probe_errors_total", model_name="m", reason="missing") == 1
+    assert (
+        sample(
+            got,
+            "guardrail_failure_decisions_total",
+            model_name="m",
+            policy="block_low",
+            mode="fail_closed",
+            shadow="false",
+        )
+        == 1
+    )
+    assert sample(got, "guardrail_probe_focus_score_count", model_name="m") == 3
+    assert sample(got, "guardrail_probe_focus_score_bucket", model_name="m", le="0.5") == 2
+    assert sample(got, "guardrail_probe_focus_score_sum", model_name="m") == pytest.approx(1.6)
+    assert sample(got, "guardrail_probe_duration_seconds_count", model_name="m") == 3
+    assert sample(got, "guardrail_probe_duration_seconds_bucket", model_name="m", le="0.0025") == 0
+    assert sample(got, "guardrail_probe_duration_seconds_bucket", model_name="m", le="0.005") == 3
+    assert sample(during, "guardrail_requests_in_flight", model_name="m") == 4
+    assert sample(after, "guardrail_requests_in_flight", model_name="m") == 0
+    # Nothing else moved: requests 2, decisions 2, errors 1, failures 1, focus count + sum + 26
+    # buckets (le >= 0.2, +Inf), duration count + sum + 12 buckets (le >= 0.005, +Inf).
+    assert len(got) == 2 + 2 + 1 + 1 + (2 + 26) + (2 + 12)
+
+
+def test_closed_server_releases_its_port():
+    server = start_metrics_server(0, registry=CollectorRegistry())
+    port = server.port
+    server.close()
+    server.close()  # idempotent
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+
+
+def test_asgi_app_serves_the_registry():
+    registry = CollectorRegistry()
+    metrics = GuardrailMetrics(registry, model_name="m")
+    metrics.observe_verdict(allow_or_block(0.3), "m")
+    app = make_asgi_app(registry)
+
+    async def get() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get("/metrics")
+
+    response = asyncio.run(get())
+    samples = parse(response.text)
+    assert sample(samples, "guardrail_requests_total", model_name="m", action="block") == 1
+    assert sample(samples, "guardrail_requests_total", model_name="m", action="allow") == 0
+
+
+@pytest.fixture()
+def uvicorn_app_with_metrics_mounted() -> Iterator[tuple[str, GuardrailMetrics]]:
+    """A Starlette app (the shape of vLLM's API server) with ``/metrics`` mounted, on loopback."""
+    uvicorn = pytest.importorskip("uvicorn")
+    starlette_apps = pytest.importorskip("starlette.applications")
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Mount, Route
+
+    registry = CollectorRegistry()
+    metrics = GuardrailMetrics(registry, model_name="m")
+
+    async def generate(request: Any) -> Any:
+        metrics.observe_verdict(allow_or_block(0.8), "m")
+        return PlainTextResponse("ok")
+
+    app = starlette_apps.Starlette(
+        routes=[
+            Route("/generate", generate, methods=["POST"]),
+            Mount("/metrics", app=make_asgi_app(registry)),
+        ]
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", metrics
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_asgi_app_mounted_in_a_real_server(uvicorn_app_with_metrics_mounted):
+    base, _ = uvicorn_app_with_metrics_mounted
+    before = scrape(f"{base}/metrics/")
+    for _ in range(3):
+        assert httpx.post(f"{base}/generate", timeout=10).text == "ok"
+    after = scrape(f"{base}/metrics")  # without the slash: redirected
+    assert (
+        delta(before, after)[
+            ("guardrail_requests_total", (("action", "allow"), ("model_name", "m")))
+        ]
+        == 3
+    )
+
+
+def test_scrape_registry_follows_the_multiprocess_directory(tmp_path, monkeypatch):
+    mine = CollectorRegistry()
+    assert scrape_registry(mine) is mine
+    monkeypatch.delenv(MULTIPROC_DIR_ENV, raising=False)
+    assert scrape_registry() is REGISTRY
+    monkeypatch.setenv(MULTIPROC_DIR_ENV, str(tmp_path))
+    merged = scrape_registry()
+    assert merged is not REGISTRY
+    assert [type(c).__name__ for c in merged._collector_to_names] == ["MultiProcessCollector"]
+
+
+WRITER = textwrap.dedent("""
+    import os, sys
+    from types import SimpleNamespace
+
+    import prometheus_client.values
+    assert prometheus_client.values.ValueClass.__name__ == "MmapedValue", "not multi-process"
+    from guardrail.metrics.recorder import GuardrailMetrics
+    from tests.test_metrics_http import allow_or_block
+
+    held, *focuses = sys.argv[1:]
+    metrics = GuardrailMetrics(model_name="mp")
+    metrics.set_thresholds([SimpleNamespace(name="block_low", threshold=0.5)])
+    for focus in focuses:
+        metrics.observe_verdict(allow_or_block(float(focus)))
+    in_flight = metrics.track_in_flight(int(held))
+    in_flight.__enter__()
+    print(os.getpid(), flush=True)
+    os._exit(0)  # dies with requests in flight, as a killed worker does
+""")
+
+
+def run_writers(directory: Path, jobs: list[list[str]]) -> list[int]:
+    """Start one writer process per job at once, wait for all; their pids."""
+    env = {
+        **os.environ,
+        MULTIPROC_DIR_ENV: str(directory),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, *job],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for job in jobs
+    ]
+    pids = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        pids.append(int(out.strip()))
+    return pids
+
+
+def test_two_processes_write_and_one_scrape_merges_them(tmp_path, monkeypatch):
+    pid_a, _ = run_writers(
+        tmp_path, [["2", "0.7", "0.8", "0.2"], ["1", "0.9", "0.1", "0.45", "0.55"]]
+    )
+    assert len(list(tmp_path.glob("*.db"))) >= 4  # counters, histograms, gauges of two pids
+    monkeypatch.setenv(MULTIPROC_DIR_ENV, str(tmp_path))
+    with start_metrics_server(0) as server:  # registry=None: the multi-process registry
+        merged = scrape(server.url)
+        mark_process_dead(pid_a)
+        after_a_died = scrape(server.url)
+    assert sample(merged, "guardrail_requests_total", model_name="mp", action="allow") == 4
+    assert sample(merged, "guardrail_requests_total", model_name="mp", action="block") == 3
+    assert (
+        sample(
+            merged,
+            "guardrail_decisions_total",
+            model_name="mp",
+            policy="block_low",
+            action="block",
+            shadow="false",
+        )
+        == 3
+    )
+    assert sample(merged, "guardrail_probe_focus_score_count", model_name="mp") == 7
+    assert sample(merged, "guardrail_probe_focus_score_bucket", model_name="mp", le="0.5") == 3
+    assert sample(merged, "guardrail_probe_focus_score_sum", model_name="mp") == pytest.approx(3.7)
+    assert sample(merged, "guardrail_requests_in_flight", model_name="mp") == 3
+    assert sample(after_a_died, "guardrail_requests_in_flight", model_name="mp") == 1
+    assert sample(after_a_died, "guardrail_requests_total", model_name="mp", action="allow") == 4
+    thresholds = {k: v for k, v in merged.items() if k[0] == "guardrail_policy_threshold"}
+    assert list(thresholds.values()) == [0.5]  # one series, no pid label
+    build = [k for k in merged if k[0] == "guardrail_build_info"]
+    assert len(build) == 1 and "pid" not in dict(build[0][1])
+
+
+def test_multiprocess_registry_of_an_empty_directory_is_empty(tmp_path):
+    with start_metrics_server(0, registry=multiprocess_registry(tmp_path)) as server:
+        assert scrape(server.url) == {}

@@ -1,0 +1,303 @@
+"""Policies and verdicts as pure data and pure functions: no engine, no model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from guardrail import policies as ready
+from guardrail.errors import ConfigError
+from guardrail.policy import (
+    NEVER_BY_SCORE,
+    PromptInjectionPolicy,
+    Reading,
+    RetrySettings,
+    decide,
+    early_stop,
+    evaluate,
+    load_policies,
+    load_policy,
+    policies_per_request,
+    strictest,
+)
+from guardrail.policy.verdict import Action, FailureMode, Verdict
+
+BLOCK = PromptInjectionPolicy(name="block", threshold=0.4)
+FLAG = PromptInjectionPolicy(name="flag", threshold=0.6, action=Action.FLAG)
+
+
+# -- validation --------------------------------------------------------------------------------
+def test_policy_defaults_are_block_fail_closed_at_model_threshold() -> None:
+    policy = PromptInjectionPolicy()
+    assert (policy.action, policy.on_probe_error, policy.shadow) == (
+        Action.BLOCK,
+        FailureMode.FAIL_CLOSED,
+        False,
+    )
+    assert policy.effective_threshold(0.37) == 0.37
+
+
+def test_policy_is_frozen() -> None:
+    with pytest.raises(ValidationError, match="frozen"):
+        BLOCK.threshold = 0.9  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("threshold", [-0.01, 1.01, math.inf])
+def test_threshold_outside_unit_interval_is_rejected(threshold: float) -> None:
+    with pytest.raises(ValidationError, match="threshold"):
+        PromptInjectionPolicy(threshold=threshold)
+
+
+def test_unknown_field_is_rejected_naming_it() -> None:
+    with pytest.raises(ValidationError, match="thresh"):
+        PromptInjectionPolicy(thresh=0.3)  # type: ignore[call-arg]
+
+
+def test_load_policy_gives_readable_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_policy({"name": "tenant-a", "thresh": 0.3, "action": "deny"})
+    message = str(info.value)
+    assert "invalid policy 'tenant-a'" in message
+    assert "unknown field 'thresh'" in message and "valid fields:" in message
+    assert "threshold" in message.split("valid fields:")[1]
+    assert "action" in message and "'deny'" in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_retry_settings_are_validated() -> None:
+    policy = load_policy(
+        {"action": "retry_with_steering", "retry": {"vector": "v", "fallback": "flag"}}
+    )
+    assert policy.retry.fallback is Action.FLAG and policy.retry.max_attempts == 2
+    with pytest.raises(ValidationError, match="only apply to action 'retry_with_steering'"):
+        PromptInjectionPolicy(action=Action.BLOCK, retry={"vector": "v"})
+    for bad in ({"fallback": "allow"}, {"max_attempts": 1}, {"max_attempts": 9}, {"x": 1}):
+        with pytest.raises(ValidationError):
+            PromptInjectionPolicy(action=Action.RETRY_WITH_STEERING, retry=bad)
+
+
+def test_threshold_and_offset_are_exclusive() -> None:
+    with pytest.raises(ValidationError, match="not both"):
+        PromptInjectionPolicy(threshold=0.5, threshold_offset=0.1)
+
+
+def test_offset_moves_and_clamps_the_model_threshold() -> None:
+    assert PromptInjectionPolicy(threshold_offset=0.1).effective_threshold(0.5) == 0.6
+    assert PromptInjectionPolicy(threshold_offset=0.3).effective_threshold(0.9) == 1.0
+    assert PromptInjectionPolicy(threshold_offset=-0.3).effective_threshold(0.1) == 0.0
+
+
+def test_missing_threshold_everywhere_says_how_to_calibrate() -> None:
+    with pytest.raises(ConfigError, match="guardrail calibrate"):
+        load_policies([PromptInjectionPolicy()], model_threshold=None)
+    assert load_policies([PromptInjectionPolicy(threshold=0.2)], model_threshold=None)
+
+
+def test_policy_set_needs_policies_and_distinct_names() -> None:
+    with pytest.raises(ConfigError, match="no policies"):
+        load_policies([], 0.5)
+    with pytest.raises(ConfigError, match=r"repeated: \['block'\]"):
+        load_policies([BLOCK, BLOCK.model_copy(update={"threshold": 0.1})], 0.5)
+    with pytest.raises(ConfigError, match="wrap a single one"):
+        load_policies(BLOCK, 0.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="got int"):
+        load_policies([3], 0.5)  # type: ignore[list-item]
+
+
+def test_policies_per_request_isolate_a_bad_entry() -> None:
+    defaults = (BLOCK,)
+    strict = [PromptInjectionPolicy(name="strict", threshold=0.7)]
+    assert policies_per_request(None, 2, defaults, 0.5) == [defaults, defaults]
+    assert policies_per_request(strict, 2, defaults, 0.5) == [tuple(strict), tuple(strict)]
+    sets = policies_per_request([None, [{"threshold": 2}], strict], 3, defaults, 0.5)
+    assert sets[0] == defaults and sets[2] == tuple(strict)
+    assert isinstance(sets[1], ConfigError) and "less than or equal to 1" in str(sets[1])
+    with pytest.raises(ConfigError, match="2 per-request policy lists for 3 requests"):
+        policies_per_request([None, strict], 3, defaults, 0.5)
+    with pytest.raises(ConfigError, match="no policies"):
+        policies_per_request([], 3, defaults, 0.5)
+
+
+# -- one policy --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("focus", "expected"), [(0.39, Action.BLOCK), (0.4, Action.BLOCK), (0.41, Action.ALLOW)]
+)
+def test_policy_triggers_at_or_below_threshold(focus: float, expected: Action) -> None:
+    decision = evaluate(BLOCK, Reading(focus=focus))
+    assert decision.action is expected
+    assert decision.triggered is (expected is Action.BLOCK)
+    assert (decision.score, decision.threshold) == (focus, 0.4)
+
+
+@pytest.mark.parametrize("action", [Action.ALLOW, Action.FLAG, Action.BLOCK])
+def test_triggered_policy_takes_its_action(action: Action) -> None:
+    policy = PromptInjectionPolicy(threshold=0.5, action=action)
+    assert evaluate(policy, Reading(focus=0.1)).action is action
+
+
+@pytest.mark.parametrize(
+    "reading",
+    [
+        Reading(focus=None, error="layer 2: RuntimeError: boom"),
+        Reading(focus=math.nan),
+        Reading(focus=None),
+    ],
+)
+def test_probe_failure_is_decided_by_the_failure_mode(reading: Reading) -> None:
+    closed = evaluate(FLAG, reading)
+    assert (closed.action, closed.failure, closed.score) == (
+        Action.BLOCK,
+        FailureMode.FAIL_CLOSED,
+        None,
+    )
+    assert "fail-closed" in closed.reason
+    opened = evaluate(FLAG.model_copy(update={"on_probe_error": FailureMode.FAIL_OPEN}), reading)
+    assert (opened.action, opened.failure) == (Action.ALLOW, FailureMode.FAIL_OPEN)
+
+
+# -- combining ---------------------------------------------------------------------------------
+def test_strictest_precedence_block_over_flag_over_allow() -> None:
+    decisions = [evaluate(p, Reading(focus=0.3)) for p in (FLAG, BLOCK)]
+    assert strictest(decisions) is Action.BLOCK
+    assert strictest(decisions[:1]) is Action.FLAG
+    assert strictest([]) is Action.ALLOW
+
+
+@pytest.mark.parametrize(
+    ("focus", "expected"), [(0.3, Action.BLOCK), (0.5, Action.FLAG), (0.7, Action.ALLOW)]
+)
+def test_several_policies_combine(focus: float, expected: Action) -> None:
+    verdict = decide([FLAG, BLOCK], Reading(focus=focus), request_id="r")
+    assert verdict.action is expected
+    assert [d.policy for d in verdict.decisions] == ["flag", "block"]
+    assert verdict.thresholds == {"flag": 0.6, "block": 0.4}
+    assert verdict.reason.startswith(expected.value)
+
+
+def test_reason_names_the_deciding_policy() -> None:
+    verdict = decide([FLAG, BLOCK], Reading(focus=0.5), request_id="r")
+    assert verdict.reason == "flag: 'flag' focus 0.500 <= threshold 0.600"
+
+
+def test_shadow_policies_are_recorded_never_enforced() -> None:
+    shadow = BLOCK.as_shadow()
+    verdict = decide(
+        [FLAG.model_copy(update={"threshold": 0.1}), shadow], Reading(focus=0.2), request_id="r"
+    )
+    assert verdict.action is Action.ALLOW
+    assert verdict.shadow_action is Action.BLOCK
+    assert [d.shadow for d in verdict.decisions] == [False, True]
+    assert "shadow: 'block' would block" in verdict.reason
+    only_shadow = decide([shadow], Reading(focus=0.2), request_id="r")
+    assert (only_shadow.action, only_shadow.shadow_action) == (Action.ALLOW, Action.BLOCK)
+
+
+def test_failure_recorded_in_verdict() -> None:
+    reading = Reading(focus=None, error="probe: RuntimeError: fault injected for testing")
+    closed = decide([BLOCK], reading, request_id="r")
+    assert (closed.action, closed.failure) == (Action.BLOCK, FailureMode.FAIL_CLOSED)
+    assert closed.probe_error == reading.error and closed.focus is None
+    open_policy = BLOCK.model_copy(update={"on_probe_error": FailureMode.FAIL_OPEN})
+    opened = decide([open_policy], reading, request_id="r")
+    assert (opened.action, opened.failure) == (Action.ALLOW, FailureMode.FAIL_OPEN)
+    assert "fail-open" in opened.reason
+    # One fail-closed policy is enough to block.
+    assert decide([open_policy, FLAG], reading, request_id="r").action is Action.BLOCK
+    # A non-finite score is a failure too, and never reaches the JSON record.
+    nan = decide([BLOCK], Reading(focus=math.nan), request_id="r")
+    assert nan.blocked and nan.focus is None and nan.attempts[0].focus is None
+    assert Verdict.model_validate_json(nan.model_dump_json()) == nan
+
+
+def test_verdict_is_frozen_json_round_trip() -> None:
+    reading = Reading(
+        focus=0.25,
+        head_scores={(13, 2): 0.2, (14, 7): 0.3},
+        instruction_spans=[(3, 9)],
+        data_spans=[(12, 40)],
+        num_prompt_tokens=44,
+        latency_s=0.004,
+        stopped_early=True,
+    )
+    verdict = decide([FLAG, BLOCK.as_shadow()], reading, request_id="abc")
+    data = json.loads(verdict.model_dump_json())
+    assert data["head_scores"] == {"13:2": 0.2, "14:7": 0.3}
+    assert data["data_spans"] == [[12, 40]] and data["action"] == "flag"
+    assert (data["request_id"], data["probe_latency_s"], data["stopped_early"]) == (
+        "abc",
+        0.004,
+        True,
+    )
+    assert Verdict.model_validate_json(verdict.model_dump_json()) == verdict
+    with pytest.raises(ValidationError, match="frozen"):
+        verdict.action = Action.ALLOW  # type: ignore[misc]
+
+
+# -- early stop plan ---------------------------------------------------------------------------
+def test_early_stop_uses_strictest_enforced_block_threshold() -> None:
+    strict = PromptInjectionPolicy(name="strict", threshold=0.55)
+    assert early_stop([BLOCK, strict, FLAG]) == (0.55, True)
+    assert early_stop([BLOCK, strict.as_shadow()]) == (0.4, True)
+
+
+def test_early_stop_never_from_shadow_or_flag_policies() -> None:
+    fail_open = {"on_probe_error": FailureMode.FAIL_OPEN}
+    assert early_stop([BLOCK.as_shadow(), FLAG.model_copy(update=fail_open)]) == (None, False)
+    # A fail-closed flag policy still blocks on probe errors: stop on errors, never on score.
+    assert early_stop([FLAG]) == (NEVER_BY_SCORE, True)
+    assert early_stop([BLOCK.model_copy(update=fail_open)]) == (0.4, False)
+
+
+@pytest.mark.parametrize("focus", [0.0, 0.2, 0.4, 0.41, 0.6, 1.0])
+def test_early_stop_agrees_with_decide(focus: float) -> None:
+    """The engine stops a request exactly when the verdict will be block."""
+    for policies in ([BLOCK], [FLAG], [FLAG, BLOCK], [BLOCK.as_shadow()]):
+        stop_below, _ = early_stop(policies)
+        stops = stop_below is not None and focus <= stop_below
+        assert stops == decide(policies, Reading(focus=focus), request_id="r").blocked
+
+
+def test_early_stop_ends_first_attempts_a_retry_will_replace() -> None:
+    """A retry discards attempt 1, so it stops after prefill; the last attempt is stopped only
+    when its fallback blocks (a flag fallback returns that attempt's text)."""
+    retry = PromptInjectionPolicy(name="retry", threshold=0.5, action=Action.RETRY_WITH_STEERING)
+    to_flag = retry.model_copy(update={"retry": RetrySettings(fallback=Action.FLAG)})
+    assert early_stop([BLOCK, retry]) == (0.5, True)
+    assert early_stop([BLOCK, retry], attempt=2) == (0.5, True)  # fallback block
+    assert early_stop([BLOCK, to_flag], attempt=1) == (0.5, True)
+    assert early_stop([BLOCK, to_flag], attempt=2) == (0.4, True)
+    three = to_flag.model_copy(update={"retry": RetrySettings(max_attempts=3, fallback="flag")})
+    assert early_stop([three], attempt=2)[0] == 0.5 and early_stop([three], attempt=3)[0] < 0
+
+
+# -- ready-made policies -----------------------------------------------------------------------
+def test_ready_made_policies_validate_and_export() -> None:
+    assert sorted(ready.__all__) == [
+        "BLOCK_INJECTIONS",
+        "DEFAULT",
+        "FLAG_INJECTIONS",
+        "MONITOR_ONLY",
+        "RETRY_STEERED",
+        "SHADOW_BLOCK",
+        "STRICT_BLOCK",
+        "SUSPICIOUS",
+        "TIERED",
+        "TRIAL",
+    ]
+    for name in ("DEFAULT", "TIERED", "TRIAL"):
+        load_policies(getattr(ready, name), model_threshold=0.5)
+    retry = decide([ready.RETRY_STEERED], Reading(focus=0.1), request_id="r", model_threshold=0.5)
+    assert retry.action is Action.RETRY_WITH_STEERING
+    assert ready.RETRY_STEERED.retry.fallback is Action.BLOCK
+    assert ready.STRICT_BLOCK.effective_threshold(0.5) == 0.6
+    assert ready.BLOCK_INJECTIONS.effective_threshold(0.5) == 0.5
+    trial = decide(ready.TRIAL, Reading(focus=0.1), request_id="r", model_threshold=0.5)
+    assert (trial.action, trial.shadow_action) == (Action.FLAG, Action.BLOCK)
+    tiered = [
+        decide(ready.TIERED, Reading(focus=f), request_id="r", model_threshold=0.5).action
+        for f in (0.45, 0.53, 0.6)
+    ]
+    assert tiered == [Action.BLOCK, Action.FLAG, Action.ALLOW]

@@ -24,7 +24,8 @@ from pydantic import ConfigDict, field_validator
 
 from guardrail.errors import ConfigError, PromptInjectionBlocked
 from guardrail.guard.guarded import DEFAULT_REFUSAL
-from guardrail.policy import Policy, PromptInjectionPolicy, load_policy
+from guardrail.policy import Policy, load_policy
+from guardrail.policy.kinds import POLICY_TYPES
 
 from ._lc_scope import VERDICT_EVENT, ChainVerdict, GuardrailBlockedError, GuardScope
 
@@ -44,7 +45,7 @@ def validate_policies(policies: Any) -> tuple[Policy, ...] | None:
     """
     if policies is None:
         return None
-    if isinstance(policies, PromptInjectionPolicy | Mapping | str):
+    if isinstance(policies, (*POLICY_TYPES, Mapping, str)):
         raise ConfigError("policies must be a list of policies; wrap a single one in a list")
     loaded = tuple(load_policy(p) for p in policies)
     names = [p.name for p in loaded]
@@ -126,7 +127,8 @@ class GuardedRunnable(RunnableSerializable[Any, Any]):
     Streaming passes chunks through as they come: a guarded model decides after its prefill,
     before its first chunk. A block after chunks were already emitted (e.g. a second model in a
     parallel branch) always raises, since emitted chunks cannot be taken back.
-    ``retry_with_steering`` is not available yet (the policy engine rejects it).
+    ``retry_with_steering`` policies run as in ``GuardedLLM`` (the model's engine must be started
+    with ``enforce_eager=True``; otherwise that call fails with a clear error, never unsteered).
 
     Example:
         >>> chain = prompt | GuardedChatModel(guarded=llm) | StrOutputParser()  # doctest: +SKIP

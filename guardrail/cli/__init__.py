@@ -1,4 +1,4 @@
-"""The ``guardrail`` command: ``calibrate`` a model config, ``evaluate`` detection quality.
+"""The ``guardrail`` command: calibrate, evaluate, split, crop, threshold and steer.
 
 Subcommands live in a registry (:data:`SUBCOMMANDS`), each a name, a help line, a function
 adding its arguments and a function running it; add one with :func:`register`. Each has its
@@ -61,9 +61,18 @@ def register(command: Subcommand) -> Subcommand:
     return command
 
 
+def _description() -> str:
+    names = ", ".join(SUBCOMMANDS)
+    return (
+        f"In-model prompt-injection guardrails: offline tools ({names}). On CPU, commands "
+        "that start an engine set VLLM_CPU_KVCACHE_SPACE=2 and VLLM_HOST_IP=127.0.0.1 unless "
+        "already set."
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-parser per registered subcommand."""
-    parser = argparse.ArgumentParser(prog="guardrail", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="guardrail", description=_description())
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in SUBCOMMANDS.values():
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)

@@ -47,7 +47,7 @@ from guardrail.steering import SteeringVector, load_steering_vector
 from guardrail.steering.math import SteeringMethod
 from guardrail.steering.spec import Steering, SteeringLike, SteeringReport
 
-__all__ = ["ResolvedSteering", "SteeringClient"]
+__all__ = ["ResolvedSteering", "SteeringClient", "require_eager"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,16 @@ class ResolvedSteering:
         """Same salt for the same steering (they may share cached blocks), else distinct."""
         text = f"{self.vector}|{self.fingerprint}|{self.method}|{self.coefficient!r}"
         return "guardrail-steer-" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def require_eager(model_info: ModelInfo) -> None:
+    """Refuse steering on an engine whose decoder layers run inside a compiled graph."""
+    if not model_info.get("enforce_eager"):
+        raise EngineNotGuardableError(
+            "steering needs an engine started with enforce_eager=True: in compiled mode the "
+            "decoder layers run inside a captured graph where steering hooks never fire. "
+            "Start the engine with HookedLLM(..., enforce_eager=True)."
+        )
 
 
 class SteeringClient:
@@ -154,12 +164,7 @@ class SteeringClient:
                 self.unload(loaded.name)
 
     def check_eager(self) -> None:
-        if not self.model_info.get("enforce_eager"):
-            raise EngineNotGuardableError(
-                "steering needs an engine started with enforce_eager=True: in compiled mode the "
-                "decoder layers run inside a captured graph where steering hooks never fire. "
-                "Start the engine with HookedLLM(..., enforce_eager=True)."
-            )
+        require_eager(self.model_info)
 
     def resolve(self, steering: SteeringLike) -> ResolvedSteering:
         try:

@@ -38,6 +38,7 @@ from guardrail.probe.scoring import FOCUS
 __all__ = [
     "DEFAULT_POLICY",
     "NEVER_BY_SCORE",
+    "POLICY_TYPES",
     "STOP_ALWAYS",
     "DataPatternPolicy",
     "PerRequestPolicies",

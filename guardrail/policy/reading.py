@@ -7,7 +7,6 @@ policy needs no engine at all.
 
 Example:
     >>> from guardrail.probe.prompts import Segment
-from guardrail.probe.scoring import FOCUS
     >>> r = Reading(signals={"focus": 0.4},
     ...             segments=(Segment(text="Summarize.", kind="instruction"),
     ...                       Segment(text="Hi Bob", kind="data")))

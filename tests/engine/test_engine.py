@@ -71,8 +71,8 @@ def test_scores_equal_hf_eager_with_chunked_prefill_and_prefix_cache(model, requ
     batch = mixed_batch()
     lengths = [len(engine.prepare(r).token_ids) for r in batch]
     assert min(lengths) <= 16 and max(lengths) >= 700 and len(batch) >= 16
-    first = engine.generate(batch, engine._sampling(max_tokens=2))
-    second = engine.generate(batch, engine._sampling(max_tokens=2))
+    first = engine.generate(batch, engine.sampling(max_tokens=2))
+    second = engine.generate(batch, engine.sampling(max_tokens=2))
     # Second pass: the shared system prompt comes from the prefix cache (keys never recomputed).
     shared = [
         o for o, r in zip(second, batch, strict=True) if isinstance(r, tuple) and SYSTEM in r[0]
@@ -92,8 +92,8 @@ def test_scores_equal_hf_eager_on_smollm2(smollm2_dir):
     engine = start_engine(smollm2_dir, multiprocess=True, probe_config=config)
     try:
         batch = mixed_batch()
-        first = engine.generate(batch, engine._sampling(max_tokens=2))
-        second = engine.generate(batch, engine._sampling(max_tokens=2))
+        first = engine.generate(batch, engine.sampling(max_tokens=2))
+        second = engine.generate(batch, engine.sampling(max_tokens=2))
         assert sum(o.num_cached_tokens for o in second) > 0
         assert_matches_reference(smollm2_dir, first, heads)
         assert_matches_reference(smollm2_dir, second, heads)
@@ -105,8 +105,8 @@ def test_multiprocess_engine_scores_equal_hf_eager(tiny_llama_dir):
     engine = start_engine(tiny_llama_dir, multiprocess=True)
     try:
         batch = mixed_batch()[::2]
-        engine.generate(batch, engine._sampling(max_tokens=1))
-        again = engine.generate(batch, engine._sampling(max_tokens=1))
+        engine.generate(batch, engine.sampling(max_tokens=1))
+        again = engine.generate(batch, engine.sampling(max_tokens=1))
         assert_matches_reference(tiny_llama_dir, again, list(engine.config.heads))
     finally:
         engine.close()
@@ -118,10 +118,10 @@ def test_probe_does_not_change_generated_text(tiny_engine):
 
     batch = mixed_batch()[:8]
     prepared = [tiny_engine.prepare(r) for r in batch]
-    params = tiny_engine._sampling(max_tokens=12, ignore_eos=True)
+    params = tiny_engine.sampling(max_tokens=12, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p.token_ids) for p in prepared] * 2
     all_params = [
-        tiny_engine._with_probe(params, p.probe_spec(f"same-batch-{i}"))
+        tiny_engine.probe.attach(params, tiny_engine.probe.spec(p, f"same-batch-{i}", params))
         for i, p in enumerate(prepared)
     ] + [params] * len(prepared)
     outs = tiny_engine.llm.generate(prompts, all_params, use_tqdm=False)
@@ -147,7 +147,7 @@ def test_one_bad_request_fails_alone(tiny_engine):
 
 def test_early_stop_ends_the_request_after_prefill(tiny_engine):
     batch = mixed_batch()[:10]
-    params = tiny_engine._sampling(max_tokens=16, ignore_eos=True)
+    params = tiny_engine.sampling(max_tokens=16, ignore_eos=True)
     baseline = tiny_engine.generate(batch, params)
     focus = sorted(o.probe.focus for o in baseline)
     cut = (focus[4] + focus[5]) / 2  # half the batch below, half above
@@ -174,8 +174,8 @@ def test_probe_fires_in_vllms_default_compiled_mode(tiny_llama_dir, tiny_engine)
     try:
         assert engine.model_info["compilation_mode"] != "CompilationMode.NONE"
         batch = mixed_batch()[:6]
-        compiled = engine.generate(batch, engine._sampling(max_tokens=1))
-        eager = tiny_engine.generate(batch, tiny_engine._sampling(max_tokens=1))
+        compiled = engine.generate(batch, engine.sampling(max_tokens=1))
+        eager = tiny_engine.generate(batch, tiny_engine.sampling(max_tokens=1))
         for a, b in zip(compiled, eager, strict=True):
             assert a.probe.error is None
             assert a.probe.focus == pytest.approx(b.probe.focus, abs=1e-4)

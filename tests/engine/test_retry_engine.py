@@ -16,6 +16,7 @@ from guardrail.errors import ConfigError, EngineNotGuardableError
 from guardrail.guard.guarded import DEFAULT_REFUSAL, GuardedLLM
 from guardrail.policy import PromptInjectionPolicy
 from guardrail.policy.verdict import Action
+from guardrail.testing import FakeEngine
 from tests.engine.test_steering_engine import _vector
 
 REQUESTS: list[Any] = [
@@ -119,9 +120,13 @@ def test_attempts_are_bounded_and_the_coefficient_grows(
 
 def test_retry_refuses_an_engine_that_cannot_steer(tiny_engine: Any, tmp_path: Any) -> None:
     path = _vector(tiny_engine, name="on-disk").save(tmp_path / "on-disk.steer.safetensors")
-    compiled = type(tiny_engine).__new__(type(tiny_engine))
-    compiled.config, compiled.llm, compiled._steering_vectors = tiny_engine.config, None, {}
-    compiled.model_info = {**tiny_engine.model_info, "enforce_eager": False}
+    compiled = FakeEngine(
+        tiny_engine.config,
+        tiny_engine.tokenizer,
+        lambda prompt, attempt: 0.9,
+        enforce_eager=False,
+        hidden_size=tiny_engine.model_info["hidden_size"],
+    )
     with pytest.raises(EngineNotGuardableError, match="enforce_eager=True"):
         GuardedLLM.from_engine(compiled, [_retry(0.5, vector=str(path))])
     with pytest.raises(ConfigError, match="none ships for 'tiny'"):

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from guardrail.engine import SteeringClient
 from guardrail.errors import ConfigError, EngineNotGuardableError
 from guardrail.steering import SteeringMetadata, SteeringVector, steering_delta
+from tests.engine.test_engine import FILLER, SYSTEM
 from tests.helpers import _load
-from tests.test_engine import FILLER, SYSTEM
 
 LAYER = 1
 REQUESTS = [
@@ -48,7 +49,7 @@ def _vector(engine, name="rand", method="add_vector", coefficient=6.0) -> Steeri
 def _run(engine, steering=None, max_tokens=6):
     """Greedy outputs with the prefix cache emptied first, so every run schedules alike."""
     engine.llm.reset_prefix_cache()
-    params = engine._sampling(max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    params = engine.sampling(max_tokens=max_tokens, ignore_eos=True, logprobs=3)
     return engine.generate(REQUESTS, params, steering=steering)
 
 
@@ -116,15 +117,15 @@ def test_steered_logprobs_equal_hf_reference(tiny_engine, tiny_llama_dir, method
     vector = _vector(tiny_engine, method=method, coefficient=6.0 if method == "add_vector" else 1)
     request = REQUESTS[2]  # chunked prefill: steering must cover every chunk
     with tiny_engine.steering_vector(vector):
-        params = tiny_engine._sampling(max_tokens=4, ignore_eos=True, logprobs=1)
+        params = tiny_engine.sampling(max_tokens=4, ignore_eos=True, logprobs=1)
         prepared = tiny_engine.prepare(request)
         from vllm.inputs import TokensPrompt
 
-        resolved = tiny_engine._steering_plan(vector.name, 1)[0]
+        resolved = tiny_engine.steering.plan(vector.name, 1)[0]
         prompt = TokensPrompt(prompt_token_ids=prepared.token_ids, cache_salt="parity-" + method)
         params.extra_args = {"guardrail_steer": resolved.spec(f"parity-{method}")}
         result = tiny_engine.llm.generate([prompt], [params], use_tqdm=False)[0]
-        tiny_engine._steering_reports({f"parity-{method}": resolved})  # drop the report
+        tiny_engine.steering.reports({f"parity-{method}": resolved})  # drop the report
     generated = list(result.outputs[0].token_ids)
     ref = _hf_steered_logprobs(
         tiny_llama_dir, prepared.token_ids + generated[:-1], vector, vector.metadata.method
@@ -138,7 +139,7 @@ def test_steered_logprobs_equal_hf_reference(tiny_engine, tiny_llama_dir, method
 def test_steered_requests_never_reuse_unsteered_cache(tiny_engine):
     vector = _vector(tiny_engine)
     request = [REQUESTS[2]]
-    params = tiny_engine._sampling(max_tokens=6, ignore_eos=True)
+    params = tiny_engine.sampling(max_tokens=6, ignore_eos=True)
     tiny_engine.llm.reset_prefix_cache()
     tiny_engine.generate(request, params)
     cached = tiny_engine.generate(request, params)[0]
@@ -195,11 +196,10 @@ def test_vectors_for_another_model_or_a_compiled_engine_are_refused(tiny_engine)
     )
     with pytest.raises(ConfigError, match="does not fit the served model"):
         tiny_engine.load_steering_vector(wrong)
-    compiled = type(tiny_engine).__new__(type(tiny_engine))
-    compiled.config, compiled.llm = tiny_engine.config, None  # no engine call may happen
-    compiled.model_info = {**tiny_engine.model_info, "enforce_eager": False}
+    # The steering component of a compiled engine, with no vLLM behind it: no call may happen.
+    info = {**tiny_engine.model_info, "enforce_eager": False}
+    compiled = SteeringClient(None, tiny_engine.config.model_id, info, tiny_engine.prepare)
     with pytest.raises(EngineNotGuardableError, match="enforce_eager=True"):
-        compiled.load_steering_vector(_vector(tiny_engine))
-    compiled._steering_vectors = {"rand": _vector(tiny_engine)}
+        compiled.load(_vector(tiny_engine))
     with pytest.raises(EngineNotGuardableError, match="enforce_eager=True"):
-        compiled.generate(REQUESTS[:1], steering="rand")
+        compiled.plan("rand", 1)

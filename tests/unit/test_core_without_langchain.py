@@ -26,7 +26,7 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Block())
-import guardrail, guardrail.engine.hooked, guardrail.guard.guarded, guardrail.policy.kinds, guardrail.metrics.recorder
+import guardrail, guardrail.engine, guardrail.guard, guardrail.policy, guardrail.metrics
 import guardrail.integrations, guardrail.policies
 from guardrail import HookedLLM, PromptInjectionBlocked, Verdict
 assert attempts == [], attempts

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from guardrail.integrations import fakes, langchain
-from guardrail.integrations._lc_batcher import EngineBatcher
 from guardrail.integrations.fakes import FakeGuardedChatModel
 from guardrail.integrations.langchain import (
     GuardedRunnable,
@@ -33,6 +32,7 @@ from langchain_core.runnables import RunnableLambda
 from pydantic import ValidationError
 
 from guardrail.errors import ConfigError, PromptInjectionBlocked, RequestError
+from guardrail.guard.batcher import EngineBatcher
 from guardrail.guard.guarded import GuardedLLM, GuardedResult
 from guardrail.policy import Reading, decide
 from guardrail.policy.verdict import Action
@@ -111,7 +111,7 @@ def test_messages_keep_role_defaults_and_mark_values() -> None:
 
 
 def test_blocked_error_is_both_exception_kinds_and_pickles() -> None:
-    verdict = decide([], Reading(focus=0.1), request_id="r1")
+    verdict = decide([], Reading(signals={"focus": 0.1}), request_id="r1")
     error = GuardrailBlockedError("blocked", verdict)
     assert isinstance(error, LangChainException) and isinstance(error, PromptInjectionBlocked)
     assert error.verdict is verdict and error.verdicts == (verdict,)
@@ -242,7 +242,7 @@ class StubGuarded(GuardedLLM):
             self.batches.append(list(requests))
             if self.fail:
                 raise RuntimeError("engine died")
-            verdict = decide([], Reading(focus=0.9), request_id="r")
+            verdict = decide([], Reading(signals={"focus": 0.9}), request_id="r")
             return [
                 GuardedResult(index=i, request_id="r", text=f"echo {r}", verdict=verdict)
                 for i, r in enumerate(requests)

@@ -29,6 +29,11 @@ BLOCK = PromptInjectionPolicy(name="block", threshold=0.4)
 FLAG = PromptInjectionPolicy(name="flag", threshold=0.6, action=Action.FLAG)
 
 
+def at(focus: float | None) -> Reading:
+    """A reading whose focus signal is ``focus``."""
+    return Reading(signals={"focus": focus} if focus is not None else {})
+
+
 # -- validation --------------------------------------------------------------------------------
 def test_policy_defaults_are_block_fail_closed_at_model_threshold() -> None:
     policy = PromptInjectionPolicy()
@@ -126,7 +131,7 @@ def test_policies_per_request_isolate_a_bad_entry() -> None:
     ("focus", "expected"), [(0.39, Action.BLOCK), (0.4, Action.BLOCK), (0.41, Action.ALLOW)]
 )
 def test_policy_triggers_at_or_below_threshold(focus: float, expected: Action) -> None:
-    decision = evaluate(BLOCK, Reading(focus=focus))
+    decision = evaluate(BLOCK, at(focus))
     assert decision.action is expected
     assert decision.triggered is (expected is Action.BLOCK)
     assert (decision.score, decision.threshold) == (focus, 0.4)
@@ -135,15 +140,15 @@ def test_policy_triggers_at_or_below_threshold(focus: float, expected: Action) -
 @pytest.mark.parametrize("action", [Action.ALLOW, Action.FLAG, Action.BLOCK])
 def test_triggered_policy_takes_its_action(action: Action) -> None:
     policy = PromptInjectionPolicy(threshold=0.5, action=action)
-    assert evaluate(policy, Reading(focus=0.1)).action is action
+    assert evaluate(policy, at(0.1)).action is action
 
 
 @pytest.mark.parametrize(
     "reading",
     [
-        Reading(focus=None, error="layer 2: RuntimeError: boom"),
-        Reading(focus=math.nan),
-        Reading(focus=None),
+        Reading(error="layer 2: RuntimeError: boom"),
+        at(math.nan),
+        Reading(),
     ],
 )
 def test_probe_failure_is_decided_by_the_failure_mode(reading: Reading) -> None:
@@ -160,7 +165,7 @@ def test_probe_failure_is_decided_by_the_failure_mode(reading: Reading) -> None:
 
 # -- combining ---------------------------------------------------------------------------------
 def test_strictest_precedence_block_over_flag_over_allow() -> None:
-    decisions = [evaluate(p, Reading(focus=0.3)) for p in (FLAG, BLOCK)]
+    decisions = [evaluate(p, at(0.3)) for p in (FLAG, BLOCK)]
     assert strictest(decisions) is Action.BLOCK
     assert strictest(decisions[:1]) is Action.FLAG
     assert strictest([]) is Action.ALLOW
@@ -170,7 +175,7 @@ def test_strictest_precedence_block_over_flag_over_allow() -> None:
     ("focus", "expected"), [(0.3, Action.BLOCK), (0.5, Action.FLAG), (0.7, Action.ALLOW)]
 )
 def test_several_policies_combine(focus: float, expected: Action) -> None:
-    verdict = decide([FLAG, BLOCK], Reading(focus=focus), request_id="r")
+    verdict = decide([FLAG, BLOCK], at(focus), request_id="r")
     assert verdict.action is expected
     assert [d.policy for d in verdict.decisions] == ["flag", "block"]
     assert verdict.thresholds == {"flag": 0.6, "block": 0.4}
@@ -178,25 +183,27 @@ def test_several_policies_combine(focus: float, expected: Action) -> None:
 
 
 def test_reason_names_the_deciding_policy() -> None:
-    verdict = decide([FLAG, BLOCK], Reading(focus=0.5), request_id="r")
+    verdict = decide([FLAG, BLOCK], at(0.5), request_id="r")
     assert verdict.reason == "flag: 'flag' focus 0.500 <= threshold 0.600"
 
 
 def test_shadow_policies_are_recorded_never_enforced() -> None:
     shadow = BLOCK.as_shadow()
     verdict = decide(
-        [FLAG.model_copy(update={"threshold": 0.1}), shadow], Reading(focus=0.2), request_id="r"
+        [FLAG.model_copy(update={"threshold": 0.1}), shadow],
+        at(0.2),
+        request_id="r",
     )
     assert verdict.action is Action.ALLOW
     assert verdict.shadow_action is Action.BLOCK
     assert [d.shadow for d in verdict.decisions] == [False, True]
     assert "shadow: 'block' would block" in verdict.reason
-    only_shadow = decide([shadow], Reading(focus=0.2), request_id="r")
+    only_shadow = decide([shadow], at(0.2), request_id="r")
     assert (only_shadow.action, only_shadow.shadow_action) == (Action.ALLOW, Action.BLOCK)
 
 
 def test_failure_recorded_in_verdict() -> None:
-    reading = Reading(focus=None, error="probe: RuntimeError: fault injected for testing")
+    reading = Reading(error="probe: RuntimeError: fault injected for testing")
     closed = decide([BLOCK], reading, request_id="r")
     assert (closed.action, closed.failure) == (Action.BLOCK, FailureMode.FAIL_CLOSED)
     assert closed.probe_error == reading.error and closed.focus is None
@@ -207,14 +214,14 @@ def test_failure_recorded_in_verdict() -> None:
     # One fail-closed policy is enough to block.
     assert decide([open_policy, FLAG], reading, request_id="r").action is Action.BLOCK
     # A non-finite score is a failure too, and never reaches the JSON record.
-    nan = decide([BLOCK], Reading(focus=math.nan), request_id="r")
+    nan = decide([BLOCK], at(math.nan), request_id="r")
     assert nan.blocked and nan.focus is None and nan.attempts[0].focus is None
     assert Verdict.model_validate_json(nan.model_dump_json()) == nan
 
 
 def test_verdict_is_frozen_json_round_trip() -> None:
     reading = Reading(
-        focus=0.25,
+        signals={"focus": 0.25},
         head_scores={(13, 2): 0.2, (14, 7): 0.3},
         instruction_spans=[(3, 9)],
         data_spans=[(12, 40)],
@@ -257,7 +264,7 @@ def test_early_stop_agrees_with_decide(focus: float) -> None:
     for policies in ([BLOCK], [FLAG], [FLAG, BLOCK], [BLOCK.as_shadow()]):
         stop_below, _ = early_stop(policies)
         stops = stop_below is not None and focus <= stop_below
-        assert stops == decide(policies, Reading(focus=focus), request_id="r").blocked
+        assert stops == decide(policies, at(focus), request_id="r").blocked
 
 
 def test_early_stop_ends_first_attempts_a_retry_will_replace() -> None:
@@ -289,15 +296,15 @@ def test_ready_made_policies_validate_and_export() -> None:
     ]
     for name in ("DEFAULT", "TIERED", "TRIAL"):
         load_policies(getattr(ready, name), model_threshold=0.5)
-    retry = decide([ready.RETRY_STEERED], Reading(focus=0.1), request_id="r", model_threshold=0.5)
+    retry = decide([ready.RETRY_STEERED], at(0.1), request_id="r", model_threshold=0.5)
     assert retry.action is Action.RETRY_WITH_STEERING
     assert ready.RETRY_STEERED.retry.fallback is Action.BLOCK
     assert ready.STRICT_BLOCK.effective_threshold(0.5) == 0.6
     assert ready.BLOCK_INJECTIONS.effective_threshold(0.5) == 0.5
-    trial = decide(ready.TRIAL, Reading(focus=0.1), request_id="r", model_threshold=0.5)
+    trial = decide(ready.TRIAL, at(0.1), request_id="r", model_threshold=0.5)
     assert (trial.action, trial.shadow_action) == (Action.FLAG, Action.BLOCK)
     tiered = [
-        decide(ready.TIERED, Reading(focus=f), request_id="r", model_threshold=0.5).action
+        decide(ready.TIERED, at(f), request_id="r", model_threshold=0.5).action
         for f in (0.45, 0.53, 0.6)
     ]
     assert tiered == [Action.BLOCK, Action.FLAG, Action.ALLOW]

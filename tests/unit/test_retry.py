@@ -24,7 +24,7 @@ STEER = Steering(vector="v", method="adjust_rs", coefficient=1.0)
 
 
 def _verdict(focus: float, policies=(RETRY, BLOCK)) -> Verdict:
-    return decide(list(policies), Reading(focus=focus), request_id="r1")
+    return decide(list(policies), Reading(signals={"focus": focus}), request_id="r1")
 
 
 def test_retry_policy_is_the_triggered_enforced_one() -> None:

@@ -17,20 +17,22 @@ from guardrail.metrics.http import (
 )
 from guardrail.metrics.recorder import (
     DISTRIBUTION,
-    FOCUS_SCORE_BUCKETS,
+    INITIAL_SIGNALS,
     NAMESPACE,
     PROBE_DURATION_BUCKETS,
     PROBE_ERROR_REASONS,
+    SCORE_BUCKETS,
     GuardrailMetrics,
     probe_error_reason,
 )
 
 __all__ = [
     "DISTRIBUTION",
-    "FOCUS_SCORE_BUCKETS",
+    "INITIAL_SIGNALS",
     "NAMESPACE",
     "PROBE_DURATION_BUCKETS",
     "PROBE_ERROR_REASONS",
+    "SCORE_BUCKETS",
     "GuardrailMetrics",
     "MetricsServer",
     "make_asgi_app",

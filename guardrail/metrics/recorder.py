@@ -17,15 +17,19 @@ Example:
     >>> registry = CollectorRegistry()
     >>> metrics = GuardrailMetrics(registry, model_name="tiny")
     >>> metrics.observe_verdict(Verdict(request_id="1", action=Action.ALLOW, decisions=[],
-    ...                                 focus=0.8, reason="ok"), "tiny")
+    ...                                 scores={"focus": 0.8}, reason="ok"), "tiny")
     >>> registry.get_sample_value("guardrail_requests_total",
     ...                           {"model_name": "tiny", "action": "allow"})
+    1.0
+    >>> registry.get_sample_value("guardrail_probe_score_count",
+    ...                           {"model_name": "tiny", "signal": "focus"})
     1.0
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -33,13 +37,15 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from guardrail.policy.verdict import Action, FailureMode, Verdict
+from guardrail.probe.scoring import FOCUS
 
 __all__ = [
     "DISTRIBUTION",
-    "FOCUS_SCORE_BUCKETS",
+    "INITIAL_SIGNALS",
     "NAMESPACE",
     "PROBE_DURATION_BUCKETS",
     "PROBE_ERROR_REASONS",
+    "SCORE_BUCKETS",
     "GuardrailMetrics",
     "probe_error_reason",
 ]
@@ -47,17 +53,26 @@ __all__ = [
 NAMESPACE = "guardrail"
 DISTRIBUTION = "vllm-guardrail"
 
-# Focus is a share of attention in [0, 1]. Calibrated thresholds sit between ~0.3 and ~0.7 (the
-# reference default is 0.5; benign means measured 0.45-0.67, injected 0.31-0.39), so buckets are
-# 0.025 wide there and coarser outside: quantiles near a threshold stay within half a bucket.
+# Probe signals are scores in [0, 1], low = likely injection. Thresholds of the shipped and
+# calibrated configs range from ~0.005 to ~0.7 (shipped SmolLM2-135M-Instruct: 0.0484; the
+# reference default: 0.5). From 0.025 to 0.7 no bucket is wider than a fifth of its upper edge
+# (0.005 wide from 0.015 to 0.055), coarser outside: a quantile near any threshold is off by at
+# most half a bucket, about a tenth of the threshold. 38 buckets, plus +Inf.
 # fmt: off
-FOCUS_SCORE_BUCKETS: tuple[float, ...] = (
-    0.05, 0.1, 0.15, 0.2, 0.25,
-    0.3, 0.325, 0.35, 0.375, 0.4, 0.425, 0.45, 0.475, 0.5,
-    0.525, 0.55, 0.575, 0.6, 0.625, 0.65, 0.675, 0.7,
-    0.75, 0.8, 0.85, 0.9, 0.95, 1.0,
+SCORE_BUCKETS: tuple[float, ...] = (
+    0.0025, 0.005, 0.0075, 0.01,
+    0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05, 0.055,
+    0.06, 0.07, 0.08, 0.09, 0.1,
+    0.12, 0.14, 0.16, 0.18, 0.2,
+    0.225, 0.25, 0.275, 0.3,
+    0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7,
+    0.8, 0.9, 1.0,
 )
 # fmt: on
+
+# Signals whose ``guardrail_probe_score`` series exist at zero for every model from the start
+# (a signal's series appears with its first score otherwise).
+INITIAL_SIGNALS: tuple[str, ...] = (FOCUS,)
 
 # The probe's own time inside the engine: p50 ~20-40 ms, p99 ~50-100 ms for SmolLM2-135M on a
 # busy 2-core CPU (docs/img/dashboard.png); more when keys come from a long prefix-cached prompt.
@@ -138,7 +153,7 @@ class GuardrailMetrics:
         registry: CollectorRegistry | None = None,
         *,
         model_name: str = "",
-        score_buckets: Sequence[float] = FOCUS_SCORE_BUCKETS,
+        score_buckets: Sequence[float] = SCORE_BUCKETS,
         latency_buckets: Sequence[float] = PROBE_DURATION_BUCKETS,
     ) -> None:
         self.registry = REGISTRY if registry is None else registry
@@ -197,11 +212,11 @@ class GuardrailMetrics:
             ["model_name"],
             **common,
         )
-        self.focus_score = Histogram(
-            "probe_focus_score",
-            "Focus score of scored requests (attention share on the "
-            "instruction; low means likely injection).",
-            ["model_name"],
+        self.score = Histogram(
+            "probe_score",
+            "Probe scores of scored requests, by signal (focus: attention share on the "
+            "instruction); low means likely injection.",
+            ["model_name", "signal"],
             buckets=score_buckets,
             **common,
         )
@@ -221,7 +236,7 @@ class GuardrailMetrics:
         )
         self.policy_threshold = Gauge(
             "policy_threshold",
-            "Configured focus threshold of each policy (acts at or below).",
+            "Configured threshold of each policy on its signal (acts at or below).",
             ["model_name", "policy"],
             multiprocess_mode="livemostrecent",
             **common,
@@ -251,7 +266,7 @@ class GuardrailMetrics:
             self.retried_requests,
             self.probe_errors,
             self.beyond_calibration,
-            self.focus_score,
+            self.score,
             self.probe_duration,
             self.in_flight,
             self.policy_threshold,
@@ -272,16 +287,19 @@ class GuardrailMetrics:
         for reason in PROBE_ERROR_REASONS:
             self.probe_errors.labels(model, reason)
         self.beyond_calibration.labels(model)
-        self.focus_score.labels(model)
+        for signal in INITIAL_SIGNALS:
+            self.score.labels(model, signal)
         self.probe_duration.labels(model)
         self.in_flight.labels(model)
 
     def observe_verdict(self, verdict: Verdict, model_name: str | None = None) -> None:
         """Record one request's verdict (call once per request, in the serving process).
 
-        Focus score and probe duration are observed only for scored requests (``focus`` set);
-        a request with ``probe_error`` counts once in ``guardrail_probe_errors_total``; a request
-        with more than one attempt counts once in ``guardrail_retried_requests_total``.
+        Every score of ``verdict.scores`` is observed in ``guardrail_probe_score`` under its signal
+        name (non-finite scores are left out), and the probe duration once per scored request
+        (``scores`` not empty). A request with ``probe_error`` counts once in
+        ``guardrail_probe_errors_total``; a request with more than one attempt counts once in
+        ``guardrail_retried_requests_total``.
 
         Example:
             >>> from prometheus_client import CollectorRegistry
@@ -305,8 +323,10 @@ class GuardrailMetrics:
                 self.failure_decisions.labels(
                     model, decision.policy, decision.failure.value, shadow
                 ).inc()
-        if verdict.focus is not None:
-            self.focus_score.labels(model).observe(verdict.focus)
+        for signal, score in verdict.scores.items():
+            if math.isfinite(score):  # a NaN would turn the histogram's _sum into NaN for good
+                self.score.labels(model, signal).observe(score)
+        if verdict.scores:
             self.probe_duration.labels(model).observe(verdict.probe_latency_s)
         if verdict.probe_error is not None:
             self.probe_errors.labels(model, probe_error_reason(verdict.probe_error)).inc()

@@ -3,7 +3,9 @@
 The expected counts come from an independent run of the same prompts through the bare
 ``HookedLLM`` (probe scores, no policies, no metrics) and plain comparisons with the thresholds;
 one request has a probe fault injected and one is invalid, so errors, fail-closed decisions and
-unverdicted requests are all on the scraped page.
+unverdicted requests are all on the scraped page. Every series asserted on exists before the
+run (the model's and the policies' series start at zero), so each count is a difference of two
+present values; an absent series reads as None and fails the comparison.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from guardrail.metrics.http import start_metrics_server
-from guardrail.metrics.recorder import FOCUS_SCORE_BUCKETS, GuardrailMetrics
+from guardrail.metrics.recorder import SCORE_BUCKETS, GuardrailMetrics
 from guardrail.policy.verdict import Action
-from tests.test_metrics_http import delta, sample, scrape
+from tests.unit.test_metrics_http import delta, sample, scrape
 
 MODEL = "tiny-llama"
 FILLER = "The quarterly report lists revenue, costs and the headcount of each team. "
@@ -82,13 +84,17 @@ def test_guarded_generations_move_scraped_metrics_by_exactly_the_expected_amount
     flagged = sum(block_at < f <= flag_at for f in reference_focus)
     low = blocked + flagged
 
-    def count(name: str, **labels: str) -> float:
-        return sample(got, name, model_name=MODEL, **labels)
+    # GuardedLLM created its policies' series and GuardrailMetrics the model's: nothing is new
+    assert got.new == {}
+
+    def count(name: str, **labels: str) -> float | None:
+        """How much a series present on both scrapes moved (None: it is not on both)."""
+        return sample(got.changed, name, model_name=MODEL, **labels)
 
     assert count("guardrail_requests_total", action="block") == blocked + 1  # + fail-closed
     assert count("guardrail_requests_total", action="flag") == flagged
     assert count("guardrail_requests_total", action="allow") == len(REQUESTS) - low
-    assert sum(v for (n, _), v in got.items() if n == "guardrail_requests_total") == 7
+    assert sum(v for (n, _), v in got.changed.items() if n == "guardrail_requests_total") == 7
     decisions = "guardrail_decisions_total"
     assert count(decisions, policy="block_low", action="block", shadow="false") == blocked + 1
     assert count(decisions, policy="block_low", action="allow", shadow="false") == 6 - blocked
@@ -100,23 +106,26 @@ def test_guarded_generations_move_scraped_metrics_by_exactly_the_expected_amount
     for policy, shadow in (("block_low", "false"), ("flag_low", "false"), ("canary", "true")):
         assert count(failures, policy=policy, mode="fail_closed", shadow=shadow) == 1
     assert count("guardrail_probe_errors_total", reason="layer") == 1
-    assert sum(v for (n, _), v in got.items() if n == "guardrail_probe_errors_total") == 1
+    assert sum(v for (n, _), v in got.changed.items() if n == "guardrail_probe_errors_total") == 1
 
-    assert count("guardrail_probe_focus_score_count") == len(REQUESTS)
-    assert count("guardrail_probe_focus_score_sum") == pytest.approx(sum(reference_focus), abs=1e-4)
+    score = "guardrail_probe_score"
+    assert count(f"{score}_count", signal="focus") == len(REQUESTS)
+    assert count(f"{score}_sum", signal="focus") == pytest.approx(sum(reference_focus), abs=1e-4)
+    assert {dict(labels)["signal"] for n, labels in after if n == f"{score}_count"} == {"focus"}
     clear_of_edges = [
-        le for le in FOCUS_SCORE_BUCKETS if min(abs(f - le) for f in reference_focus) > 1e-4
+        le for le in SCORE_BUCKETS if min(abs(f - le) for f in reference_focus) > 1e-4
     ]
-    assert len(clear_of_edges) >= len(FOCUS_SCORE_BUCKETS) - len(REQUESTS)
+    assert len(clear_of_edges) >= len(SCORE_BUCKETS) - len(REQUESTS)
     for le in clear_of_edges:
         expected = sum(f <= le for f in reference_focus)
-        assert count("guardrail_probe_focus_score_bucket", le=str(le)) == expected, le
-    assert count("guardrail_probe_focus_score_bucket", le="+Inf") == len(REQUESTS)
+        assert count(f"{score}_bucket", signal="focus", le=str(le)) == expected, le
+    assert count(f"{score}_bucket", signal="focus", le="+Inf") == len(REQUESTS)
     assert count("guardrail_probe_duration_seconds_count") == len(REQUESTS)
     seconds = count("guardrail_probe_duration_seconds_sum")
     verdict_seconds = sum(r.verdict.probe_latency_s for r in results[:-2] if r.verdict)
-    assert seconds == pytest.approx(verdict_seconds) and 0 < seconds < 60
-    assert not any(n == "guardrail_retried_requests_total" for n, _ in got)
+    assert seconds is not None and seconds == pytest.approx(verdict_seconds)
+    assert 0 < seconds < 60
+    assert not any(n == "guardrail_retried_requests_total" for n, _ in after)  # no retry policy
     assert sample(after, "guardrail_requests_in_flight", model_name=MODEL) == 0
     thresholds = {
         p.name: sample(after, "guardrail_policy_threshold", model_name=MODEL, policy=p.name)

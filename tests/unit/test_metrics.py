@@ -1,13 +1,15 @@
 """``GuardrailMetrics`` on hand-built verdicts: exact counter and histogram deltas, names, labels.
 
 Every test builds a fresh ``CollectorRegistry``; nothing touches the global one except the test
-that checks the default, which unregisters what it added.
+that checks the default, which unregisters what it added. An absent series reads as None, never
+as zero (see ``tests/unit/test_metrics_http.py``: ``sample``, ``delta``).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import itertools
 import math
 import subprocess
 import sys
@@ -19,13 +21,16 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.utils import floatToGoString
 
 from guardrail.metrics.recorder import (
-    FOCUS_SCORE_BUCKETS,
+    INITIAL_SIGNALS,
     PROBE_DURATION_BUCKETS,
     PROBE_ERROR_REASONS,
+    SCORE_BUCKETS,
     GuardrailMetrics,
     probe_error_reason,
 )
 from guardrail.policy.verdict import Action, Attempt, FailureMode, PolicyDecision, Verdict
+from guardrail.probe.config import load_model_config
+from tests.unit.test_metrics_http import Delta, delta, key
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
@@ -37,6 +42,7 @@ ALLOWED_LABELS = {
     "mode",
     "outcome",
     "reason",
+    "signal",
     "version",
     "vllm_version",
 }
@@ -65,16 +71,19 @@ def verdict(
     action: Action = Action.ALLOW,
     *,
     focus: float | None = 0.6,
+    scores: dict[str, float] | None = None,
     decisions: list[PolicyDecision] | None = None,
     probe_error: str | None = None,
     latency: float = 0.002,
     attempts: int = 1,
     request_id: str = "r1",
 ) -> Verdict:
+    if scores is None:
+        scores = {} if focus is None else {"focus": focus}
     return Verdict(
         request_id=request_id,
         action=action,
-        focus=focus,
+        scores=scores,
         probe_error=probe_error,
         decisions=tuple(decisions if decisions is not None else [decision("block_low", action)]),
         probe_latency_s=latency,
@@ -84,14 +93,13 @@ def verdict(
 
 
 class Reader:
-    """Reads samples of one registry; missing series read as 0 so deltas start anywhere."""
+    """Reads samples of one registry; an absent series reads as None, never as zero."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
 
-    def __call__(self, name: str, **labels: str) -> float:
-        value = self.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
+    def __call__(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, labels)
 
     def snapshot(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         return {
@@ -101,13 +109,9 @@ class Reader:
             if not s.name.endswith("_created")
         }
 
-    def delta(self, before: dict, after: dict | None = None) -> dict:
-        after = self.snapshot() if after is None else after
-        return {
-            key: after[key] - before.get(key, 0.0)
-            for key in after
-            if after[key] != before.get(key, 0.0)
-        }
+    def delta(self, before: dict) -> Delta:
+        """From ``before`` to now: series present both times, and series new since then."""
+        return delta(before, self.snapshot())
 
 
 @pytest.fixture()
@@ -120,17 +124,20 @@ def read(metrics: GuardrailMetrics) -> Reader:
     return Reader(metrics.registry)
 
 
-def key(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
-    return name, tuple(sorted(labels.items()))
-
-
-def buckets_at_or_above(name: str, bounds: tuple[float, ...], value: float) -> dict:
+def buckets_at_or_above(name: str, bounds: tuple[float, ...], value: float, **labels: str) -> dict:
     """The ``_bucket`` series one observation of ``value`` moves: every ``le >= value``."""
     return {
-        key(name, model_name=MODEL, le=floatToGoString(b)): 1.0
+        key(name, model_name=MODEL, le=floatToGoString(b), **labels): 1.0
         for b in (*bounds, math.inf)
         if value <= b
     }
+
+
+def test_reader_tells_absent_from_zero(metrics, read):
+    """The reader can fail an assertion: an absent series is None, a zero one is 0.0."""
+    assert read("guardrail_requests_total", model_name=MODEL, action="allow") == 0.0
+    assert read("guardrail_requests_total", model_name="never-seen", action="allow") is None
+    assert read("guardrail_no_such_metric") is None
 
 
 def test_allowed_request_moves_exactly_its_series(metrics, read):
@@ -138,37 +145,103 @@ def test_allowed_request_moves_exactly_its_series(metrics, read):
     metrics.observe_verdict(verdict(Action.ALLOW, focus=0.61, latency=0.003), MODEL)
     expected = {
         key("guardrail_requests_total", model_name=MODEL, action="allow"): 1.0,
-        key(
-            "guardrail_decisions_total",
-            model_name=MODEL,
-            policy="block_low",
-            action="allow",
-            shadow="false",
-        ): 1.0,
-        key("guardrail_probe_focus_score_count", model_name=MODEL): 1.0,
-        key("guardrail_probe_focus_score_sum", model_name=MODEL): 0.61,
+        key("guardrail_probe_score_count", model_name=MODEL, signal="focus"): 1.0,
+        key("guardrail_probe_score_sum", model_name=MODEL, signal="focus"): 0.61,
         key("guardrail_probe_duration_seconds_count", model_name=MODEL): 1.0,
         key("guardrail_probe_duration_seconds_sum", model_name=MODEL): 0.003,
-        **buckets_at_or_above("guardrail_probe_focus_score_bucket", FOCUS_SCORE_BUCKETS, 0.61),
+        **buckets_at_or_above("guardrail_probe_score_bucket", SCORE_BUCKETS, 0.61, signal="focus"),
         **buckets_at_or_above(
             "guardrail_probe_duration_seconds_bucket", PROBE_DURATION_BUCKETS, 0.003
         ),
     }
-    assert len(expected) == 6 + 11 + 12  # 0.625 .. 1.0 and +Inf; 0.005 .. 10.0 and +Inf
-    assert read.delta(before) == pytest.approx(expected)
+    assert len(expected) == 5 + 6 + 12  # 0.65 .. 1.0 and +Inf; 0.005 .. 10.0 and +Inf
+    got = read.delta(before)
+    assert got.moved() == pytest.approx(expected)  # series of the model: there at zero before
+    # the policy's decision series did not exist (no set_thresholds): it appears with the verdict
+    decision_series = key(
+        "guardrail_decisions_total",
+        model_name=MODEL,
+        policy="block_low",
+        action="allow",
+        shadow="false",
+    )
+    assert got.new == {decision_series: 1.0}
 
 
-def test_focus_buckets_count_like_the_policy_compares(metrics, read):
-    """``le`` is inclusive like ``focus <= threshold``: a score on a threshold is in its bucket."""
-    for focus in (0.5, 0.49, 0.51, 0.3, 0.95):
+def test_score_buckets_count_like_the_policy_compares(metrics, read):
+    """``le`` is inclusive like ``score <= threshold``: a score on a threshold is in its bucket."""
+    for focus in (0.5, 0.49, 0.51, 0.3, 0.95, 0.05, 0.0484):
         metrics.observe_verdict(verdict(focus=focus), MODEL)
-    bucket = "guardrail_probe_focus_score_bucket"
-    assert read(bucket, model_name=MODEL, le="0.5") == 3.0
-    assert read(bucket, model_name=MODEL, le="0.475") == 1.0
-    assert read(bucket, model_name=MODEL, le="0.3") == 1.0
-    assert read(bucket, model_name=MODEL, le="0.25") == 0.0
-    assert read(bucket, model_name=MODEL, le="+Inf") == 5.0
-    assert read("guardrail_probe_focus_score_sum", model_name=MODEL) == pytest.approx(2.75)
+    bucket = "guardrail_probe_score_bucket"
+    focus_labels = {"model_name": MODEL, "signal": "focus"}
+    assert read(bucket, **focus_labels, le="0.5") == 5.0
+    assert read(bucket, **focus_labels, le="0.45") == 3.0
+    assert read(bucket, **focus_labels, le="0.3") == 3.0
+    assert read(bucket, **focus_labels, le="0.275") == 2.0
+    assert read(bucket, **focus_labels, le="0.05") == 2.0
+    assert read(bucket, **focus_labels, le="0.045") == 0.0
+    assert read(bucket, **focus_labels, le="0.0025") == 0.0
+    assert read(bucket, **focus_labels, le="+Inf") == 7.0
+    assert read(bucket, **focus_labels, le="0.475") is None  # not a bucket any more
+    assert read("guardrail_probe_score_sum", **focus_labels) == pytest.approx(2.8484)
+
+
+def test_every_signal_of_a_verdict_is_observed_under_its_name(metrics, read):
+    before = read.snapshot()
+    scores = {"focus": 0.4, "hidden_state": 0.02}
+    metrics.observe_verdict(verdict(scores=scores, latency=0.003), MODEL)
+    got = read.delta(before)
+    hidden = {"model_name": MODEL, "signal": "hidden_state"}
+    focus = {"model_name": MODEL, "signal": "focus"}
+    # "focus" exists at zero from the start; the other signal appears with its first score
+    assert got.changed[key("guardrail_probe_score_count", **focus)] == 1.0
+    assert got.changed[key("guardrail_probe_score_sum", **focus)] == pytest.approx(0.4)
+    assert key("guardrail_probe_score_count", **hidden) not in before
+    assert got.new[key("guardrail_probe_score_count", **hidden)] == 1.0
+    assert got.new[key("guardrail_probe_score_sum", **hidden)] == pytest.approx(0.02)
+    assert got.new[key("guardrail_probe_score_bucket", **hidden, le="0.015")] == 0.0
+    assert got.new[key("guardrail_probe_score_bucket", **hidden, le="0.02")] == 1.0
+    # the probe's time is observed once per request, not once per signal
+    assert got.changed[key("guardrail_probe_duration_seconds_count", model_name=MODEL)] == 1.0
+
+
+def test_a_non_finite_score_is_left_out_of_the_histogram(metrics, read):
+    metrics.observe_verdict(verdict(scores={"focus": 0.4, "hidden_state": math.nan}), MODEL)
+    assert read("guardrail_probe_score_count", model_name=MODEL, signal="focus") == 1.0
+    assert read("guardrail_probe_score_count", model_name=MODEL, signal="hidden_state") is None
+    metrics.observe_verdict(verdict(scores={"focus": math.inf}), MODEL)
+    assert read("guardrail_probe_score_count", model_name=MODEL, signal="focus") == 1.0
+    assert read("guardrail_probe_score_sum", model_name=MODEL, signal="focus") == pytest.approx(0.4)
+
+
+def test_score_buckets_are_increasing_and_end_at_one():
+    assert all(low < high for low, high in itertools.pairwise(SCORE_BUCKETS))
+    assert SCORE_BUCKETS[0] > 0 and SCORE_BUCKETS[-1] == 1.0
+    assert 30 <= len(SCORE_BUCKETS) <= 40
+
+
+def enclosing_bucket(value: float) -> tuple[float, float]:
+    """``(lower, upper]`` of the score bucket that counts ``value`` (lower 0 for the first)."""
+    for lower, upper in zip((0.0, *SCORE_BUCKETS), SCORE_BUCKETS, strict=True):
+        if lower < value <= upper:
+            return lower, upper
+    raise AssertionError(f"{value} is outside the score buckets")
+
+
+def test_score_buckets_resolve_the_shipped_threshold():
+    """The shipped SmolLM2 threshold (0.0484) is on a bucket edge or in a bucket <= 0.01 wide."""
+    threshold = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct").threshold
+    assert threshold is not None and 0 < threshold < 1
+    lower, upper = enclosing_bucket(threshold)
+    assert threshold in SCORE_BUCKETS or upper - lower <= 0.01, (threshold, lower, upper)
+
+
+def test_score_buckets_are_narrow_wherever_thresholds_sit():
+    """From 0.025 to 0.7 (where thresholds sit) no bucket is wider than 20 % of its upper edge."""
+    for upper in SCORE_BUCKETS:
+        lower, _ = enclosing_bucket(upper)
+        if 0.025 <= upper <= 0.7:
+            assert upper - lower <= 0.2 * upper + 1e-12, (lower, upper)
 
 
 def test_every_policy_decision_is_counted_with_its_shadow_flag(metrics, read):
@@ -210,36 +283,24 @@ def test_probe_error_counts_once_by_reason_and_records_failure_modes(metrics, re
         ),
         MODEL,
     )
-    delta = read.delta(before)
-    fail = "guardrail_failure_decisions_total"
-    assert delta == {
+    got = read.delta(before)
+    # no score and no probe duration: the probe did not score this request
+    assert got.moved() == {
         key("guardrail_requests_total", model_name=MODEL, action="block"): 1.0,
         key("guardrail_probe_errors_total", model_name=MODEL, reason="layer"): 1.0,
+    }
+    # the policies' series did not exist before (no set_thresholds): they appear with the verdict
+    fail = "guardrail_failure_decisions_total"
+    decisions = "guardrail_decisions_total"
+    assert got.new == {
         key(fail, model_name=MODEL, policy="closed", mode="fail_closed", shadow="false"): 1.0,
         key(fail, model_name=MODEL, policy="open", mode="fail_open", shadow="false"): 1.0,
         key(fail, model_name=MODEL, policy="shadowed", mode="fail_open", shadow="true"): 1.0,
-        key(
-            "guardrail_decisions_total",
-            model_name=MODEL,
-            policy="closed",
-            action="block",
-            shadow="false",
-        ): 1.0,
-        key(
-            "guardrail_decisions_total",
-            model_name=MODEL,
-            policy="open",
-            action="allow",
-            shadow="false",
-        ): 1.0,
-        key(
-            "guardrail_decisions_total",
-            model_name=MODEL,
-            policy="shadowed",
-            action="allow",
-            shadow="true",
-        ): 1.0,
-    }  # no score and no probe duration: the probe did not score this request
+        key(decisions, model_name=MODEL, policy="closed", action="block", shadow="false"): 1.0,
+        key(decisions, model_name=MODEL, policy="open", action="allow", shadow="false"): 1.0,
+        key(decisions, model_name=MODEL, policy="shadowed", action="allow", shadow="true"): 1.0,
+    }
+    assert got.changed[key("guardrail_probe_score_count", model_name=MODEL, signal="focus")] == 0
 
 
 @pytest.mark.parametrize(
@@ -273,13 +334,14 @@ def test_retried_requests_count_once_with_the_final_outcome(metrics, read):
     retried = "guardrail_retried_requests_total"
     assert read(retried, model_name=MODEL, outcome="allow") == 1
     assert read(retried, model_name=MODEL, outcome="block") == 1
-    assert read(retried, model_name=MODEL, outcome="flag") == 0
+    assert read(retried, model_name=MODEL, outcome="flag") is None  # never retried: no series
 
 
 def test_requests_beyond_calibration_are_counted(metrics, read):
     name = "guardrail_beyond_calibration_requests_total"
+    assert read(name, model_name=MODEL) == 0  # the series exists at zero from the start
     metrics.observe_verdict(verdict(Action.ALLOW), MODEL)
-    assert read(name, model_name=MODEL) == 0  # the series exists at zero from the first verdict
+    assert read(name, model_name=MODEL) == 0
     beyond = verdict(Action.ALLOW).model_copy(update={"beyond_calibration": "data has 9 tokens"})
     metrics.observe_verdict(beyond, MODEL)
     assert read(name, model_name=MODEL) == 1
@@ -287,6 +349,7 @@ def test_requests_beyond_calibration_are_counted(metrics, read):
 
 def test_in_flight_goes_up_inside_and_back_down_on_error(metrics, read):
     gauge = "guardrail_requests_in_flight"
+    assert read(gauge, model_name="other") is None
     with metrics.track_in_flight(3):
         assert read(gauge, model_name=MODEL) == 3
         with metrics.track_in_flight(model_name="other"):
@@ -335,9 +398,15 @@ def test_fixed_series_of_the_configured_model_exist_before_any_request(metrics):
     for reason in PROBE_ERROR_REASONS:
         labels = {"model_name": MODEL, "reason": reason}
         assert registry.get_sample_value("guardrail_probe_errors_total", labels) == 0
-    assert (
-        registry.get_sample_value("guardrail_probe_focus_score_count", {"model_name": MODEL}) == 0
-    )
+    assert INITIAL_SIGNALS == ("focus",)
+    focus = {"model_name": MODEL, "signal": "focus"}
+    assert registry.get_sample_value("guardrail_probe_score_count", focus) == 0
+    assert registry.get_sample_value("guardrail_probe_score_sum", focus) == 0
+    for bound in (*SCORE_BUCKETS, math.inf):
+        labels = {**focus, "le": floatToGoString(bound)}
+        assert registry.get_sample_value("guardrail_probe_score_bucket", labels) == 0, labels
+    other = {"model_name": MODEL, "signal": "hidden_state"}
+    assert registry.get_sample_value("guardrail_probe_score_count", other) is None
 
 
 def test_model_name_defaults_to_the_configured_one_and_separates_series(metrics, read):
@@ -432,14 +501,14 @@ def test_importing_registers_nothing_and_sets_no_environment():
 
 def test_vllm_worker_code_records_no_metrics():
     """Metrics recorded in a vLLM worker process are never scraped: the worker records none."""
-    tree = ast.parse((ROOT / "guardrail" / "_vllm_worker.py").read_text())
+    modules = sorted((ROOT / "guardrail" / "worker").glob("*.py"))
+    assert len(modules) > 1, "the worker package moved"
     imported: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module)
-    assert imported, "the worker module has imports; parsing failed"
-    assert not {
-        m for m in imported if m.startswith(("prometheus_client", "guardrail.metrics.recorder"))
-    }
+    for path in modules:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+    assert "torch" in imported, "the worker modules import torch; parsing failed"
+    assert not {m for m in imported if m.startswith(("prometheus_client", "guardrail.metrics"))}

@@ -1,7 +1,9 @@
 """``/metrics`` over real HTTP on loopback: the one-call server, the ASGI app, multi-process mode.
 
 Every scrape goes through a socket and is parsed with prometheus_client's own text parser;
-assertions are exact deltas between two scrapes.
+assertions are exact deltas between two scrapes. A series absent from a scrape reads as None,
+never as zero: a series that must exist at zero is asserted ``== 0``, one that must not exist
+``is None``, and a series that appeared between two scrapes is reported apart (``Delta.new``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,7 @@ from guardrail.metrics.http import (
     scrape_registry,
     start_metrics_server,
 )
-from guardrail.metrics.recorder import GuardrailMetrics
+from guardrail.metrics.recorder import SCORE_BUCKETS, GuardrailMetrics
 from guardrail.policy.verdict import Action, FailureMode, PolicyDecision, Verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,12 +58,52 @@ def scrape(url: str) -> Samples:
     return parse(response.text)
 
 
-def sample(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+def key(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return name, tuple(sorted(labels.items()))
 
 
-def delta(before: Samples, after: Samples) -> Samples:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+def sample(samples: Samples, name: str, **labels: str) -> float | None:
+    """The value of one series, None when the series is absent (never 0 for a missing one)."""
+    return samples.get(key(name, **labels))
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What happened between two scrapes.
+
+    ``changed``: every series on both scrapes, by how much it changed (0.0 when it did not);
+    ``new``: every series absent from the first scrape, with its value on the second. A series
+    on neither, or only on the first (which ``delta`` refuses), is in neither dict.
+    """
+
+    changed: Samples
+    new: Samples
+
+    def moved(self) -> Samples:
+        """The series of both scrapes whose value changed."""
+        return {k: v for k, v in self.changed.items() if v != 0}
+
+
+def delta(before: Samples, after: Samples) -> Delta:
+    gone = sorted(set(before) - set(after))
+    assert not gone, f"series vanished between the scrapes: {gone}"
+    return Delta(
+        changed={k: v - before[k] for k, v in after.items() if k in before},
+        new={k: v for k, v in after.items() if k not in before},
+    )
+
+
+def test_delta_tells_absent_from_zero():
+    """The helpers above can fail: absent is None, zero is 0.0, a new series is apart."""
+    before = {key("a"): 1.0, key("b"): 0.0}
+    got = delta(before, {key("a"): 3.0, key("b"): 0.0, key("c"): 0.0})
+    assert got.changed == {key("a"): 2.0, key("b"): 0.0}
+    assert got.new == {key("c"): 0.0}
+    assert got.moved() == {key("a"): 2.0}
+    assert sample(got.changed, "b") == 0.0 and sample(got.changed, "c") is None
+    assert sample(got.new, "c") == 0.0 and sample(got.new, "b") is None
+    with pytest.raises(AssertionError, match="vanished"):
+        delta(before, {key("a"): 1.0})
 
 
 def allow_or_block(
@@ -70,6 +113,7 @@ def allow_or_block(
     decision = PolicyDecision(
         policy="block_low",
         action=action,
+        signal="focus",
         score=focus,
         threshold=threshold,
         failure=FailureMode.FAIL_CLOSED if focus is None else None,
@@ -79,7 +123,7 @@ def allow_or_block(
         request_id="r",
         action=action,
         decisions=(decision,),
-        focus=focus,
+        scores={} if focus is None else {"focus": focus},
         probe_error=error,
         probe_latency_s=0.0 if focus is None else 0.004,
         reason="test",
@@ -99,31 +143,33 @@ def test_one_call_server_exposes_exact_deltas_over_http():
             during = scrape(server.url)
         after = scrape(server.url)
     got = delta(before, after)
-    assert sample(got, "guardrail_requests_total", model_name="m", action="allow") == 1
-    assert sample(got, "guardrail_requests_total", model_name="m", action="block") == 3
-    assert sample(got, "guardrail_probe_errors_total", model_name="m", reason="missing") == 1
-    assert (
-        sample(
-            got,
-            "guardrail_failure_decisions_total",
-            model_name="m",
-            policy="block_low",
-            mode="fail_closed",
-            shadow="false",
-        )
-        == 1
-    )
-    assert sample(got, "guardrail_probe_focus_score_count", model_name="m") == 3
-    assert sample(got, "guardrail_probe_focus_score_bucket", model_name="m", le="0.5") == 2
-    assert sample(got, "guardrail_probe_focus_score_sum", model_name="m") == pytest.approx(1.6)
-    assert sample(got, "guardrail_probe_duration_seconds_count", model_name="m") == 3
-    assert sample(got, "guardrail_probe_duration_seconds_bucket", model_name="m", le="0.0025") == 0
-    assert sample(got, "guardrail_probe_duration_seconds_bucket", model_name="m", le="0.005") == 3
+    moved = got.moved()
+    # Series of the model exist at zero from the start: they moved.
+    assert sample(moved, "guardrail_requests_total", model_name="m", action="allow") == 1
+    assert sample(moved, "guardrail_requests_total", model_name="m", action="block") == 3
+    assert sample(moved, "guardrail_probe_errors_total", model_name="m", reason="missing") == 1
+    scores = {"model_name": "m", "signal": "focus"}
+    assert sample(moved, "guardrail_probe_score_count", **scores) == 3
+    assert sample(moved, "guardrail_probe_score_bucket", **scores, le="0.5") == 2
+    assert sample(moved, "guardrail_probe_score_sum", **scores) == pytest.approx(1.6)
+    assert sample(moved, "guardrail_probe_duration_seconds_count", model_name="m") == 3
+    assert sample(moved, "guardrail_probe_duration_seconds_bucket", model_name="m", le="0.005") == 3
+    duration_fast = {"model_name": "m", "le": "0.0025"}
+    assert sample(got.changed, "guardrail_probe_duration_seconds_bucket", **duration_fast) == 0
+    assert sample(after, "guardrail_probe_duration_seconds_bucket", **duration_fast) == 0
+    # The policy's series were never created (no set_thresholds): they appeared with the verdicts.
+    policy = {"model_name": "m", "policy": "block_low", "shadow": "false"}
+    assert got.new == {
+        key("guardrail_decisions_total", **policy, action="allow"): 1,
+        key("guardrail_decisions_total", **policy, action="block"): 3,
+        key("guardrail_failure_decisions_total", **policy, mode="fail_closed"): 1,
+    }
     assert sample(during, "guardrail_requests_in_flight", model_name="m") == 4
     assert sample(after, "guardrail_requests_in_flight", model_name="m") == 0
-    # Nothing else moved: requests 2, decisions 2, errors 1, failures 1, focus count + sum + 26
-    # buckets (le >= 0.2, +Inf), duration count + sum + 12 buckets (le >= 0.005, +Inf).
-    assert len(got) == 2 + 2 + 1 + 1 + (2 + 26) + (2 + 12)
+    # Nothing else moved: requests 2, errors 1, score count + sum + buckets le >= 0.2 and +Inf,
+    # duration count + sum + 12 buckets (le >= 0.005, +Inf).
+    score_buckets = sum(b >= 0.2 for b in SCORE_BUCKETS) + 1
+    assert len(moved) == 2 + 1 + (2 + score_buckets) + (2 + 12)
 
 
 def test_closed_server_releases_its_port():
@@ -150,6 +196,7 @@ def test_asgi_app_serves_the_registry():
     samples = parse(response.text)
     assert sample(samples, "guardrail_requests_total", model_name="m", action="block") == 1
     assert sample(samples, "guardrail_requests_total", model_name="m", action="allow") == 0
+    assert sample(samples, "guardrail_probe_score_count", model_name="m", signal="focus") == 1
 
 
 @pytest.fixture()
@@ -196,12 +243,9 @@ def test_asgi_app_mounted_in_a_real_server(uvicorn_app_with_metrics_mounted):
     for _ in range(3):
         assert httpx.post(f"{base}/generate", timeout=10).text == "ok"
     after = scrape(f"{base}/metrics")  # without the slash: redirected
-    assert (
-        delta(before, after)[
-            ("guardrail_requests_total", (("action", "allow"), ("model_name", "m")))
-        ]
-        == 3
-    )
+    got = delta(before, after)
+    requests = {"model_name": "m", "action": "allow"}
+    assert sample(got.changed, "guardrail_requests_total", **requests) == 3
 
 
 def test_scrape_registry_follows_the_multiprocess_directory(tmp_path, monkeypatch):
@@ -222,7 +266,7 @@ WRITER = textwrap.dedent("""
     import prometheus_client.values
     assert prometheus_client.values.ValueClass.__name__ == "MmapedValue", "not multi-process"
     from guardrail.metrics.recorder import GuardrailMetrics
-    from tests.test_metrics_http import allow_or_block
+    from tests.unit.test_metrics_http import allow_or_block
 
     held, *focuses = sys.argv[1:]
     metrics = GuardrailMetrics(model_name="mp")
@@ -285,9 +329,10 @@ def test_two_processes_write_and_one_scrape_merges_them(tmp_path, monkeypatch):
         )
         == 3
     )
-    assert sample(merged, "guardrail_probe_focus_score_count", model_name="mp") == 7
-    assert sample(merged, "guardrail_probe_focus_score_bucket", model_name="mp", le="0.5") == 3
-    assert sample(merged, "guardrail_probe_focus_score_sum", model_name="mp") == pytest.approx(3.7)
+    scores = {"model_name": "mp", "signal": "focus"}
+    assert sample(merged, "guardrail_probe_score_count", **scores) == 7
+    assert sample(merged, "guardrail_probe_score_bucket", **scores, le="0.5") == 3
+    assert sample(merged, "guardrail_probe_score_sum", **scores) == pytest.approx(3.7)
     assert sample(merged, "guardrail_requests_in_flight", model_name="mp") == 3
     assert sample(after_a_died, "guardrail_requests_in_flight", model_name="mp") == 1
     assert sample(after_a_died, "guardrail_requests_total", model_name="mp", action="allow") == 4

@@ -101,7 +101,7 @@ def exported() -> dict[str, set[str]]:
             request_id="r",
             action=Action.ALLOW,
             decisions=(failed,),
-            focus=0.4,
+            scores={"focus": 0.4},
             probe_error="probe: x",
             reason="x",
             attempts=(Attempt(focus=0.4, action=Action.ALLOW),) * 2,
@@ -191,6 +191,13 @@ def test_validator_catches_typos(exported):
         exported,
     ) == ["quantile 99 outside (0, 1)"]
     assert expression_problems("up", exported) == ["names no guardrail metric"]
+    assert (
+        expression_problems('rate(guardrail_probe_score_bucket{signal="focus"}[5m])', exported)
+        == []
+    )
+    assert expression_problems("rate(guardrail_probe_focus_score_bucket[5m])", exported) == [
+        "guardrail_probe_focus_score_bucket is not exported"  # the name before signals
+    ]
 
 
 def test_dashboard_matches_the_schema():
@@ -221,8 +228,9 @@ def test_dashboard_panels_cover_the_issue_and_every_metric(exported):
     required = [
         r"sum by \(action\) \(rate\(guardrail_requests_total",  # decisions by action
         r'action="block"\}\[\$__rate_interval\]\)\) / sum\(rate\(guardrail_requests_total',
-        r"histogram_quantile\(0\.5, sum by \(le\) \(rate\(guardrail_probe_focus_score_bucket",
-        r"increase\(guardrail_probe_focus_score_bucket",  # score distribution (heatmap)
+        r"histogram_quantile\(0\.5, sum by \(le\) \(rate\(guardrail_probe_score_bucket"
+        r'\{[^}]*signal="focus"',
+        r'increase\(guardrail_probe_score_bucket\{[^}]*signal="focus"',  # focus heatmap
         *(
             rf"histogram_quantile\({q}, sum by \(le\) \(rate\(guardrail_probe_duration_seconds"
             for q in ("0.5", "0.95", "0.99")
@@ -238,6 +246,20 @@ def test_dashboard_panels_cover_the_issue_and_every_metric(exported):
     families = {re.sub(r"_(total|bucket|count|sum)$", "", n) for n in exported}
     shown = {re.sub(r"_(total|bucket|count|sum)$", "", n) for n in on_dashboard}
     assert families == shown
+
+
+def test_score_expressions_pick_one_signal():
+    """Scores of different signals share one histogram: summing them by ``le`` mixes scales."""
+    exprs = [expr for _, expr in dashboard_exprs()] + [r["expr"] for r in alert_rules()]
+    selectors = [
+        matchers
+        for expr in exprs
+        for name, matchers in SELECTOR.findall(expr)
+        if name.startswith("guardrail_probe_score")
+    ]
+    assert selectors, "no panel shows the probe scores"
+    for matchers in selectors:
+        assert re.search(r'\bsignal="\w+"', matchers), matchers
 
 
 def test_dashboard_panels_have_unique_ids_and_do_not_overlap():

@@ -1,12 +1,32 @@
-"""Reading keys back from vLLM's paged KV cache, one small function per attention backend.
+"""Reading keys back from vLLM's paged KV cache: a small registry of layouts, one per backend.
 
 Prefix caching means a request's shared system prompt is not recomputed: its keys exist only in
 the paged cache. The probe gathers all prompt keys of a request from the cache through its block
-table. The physical layout is the backend's business, so each supported layout is one function
-here, tested on synthetic tensors; an unknown layout is refused at start, never guessed.
+table. The physical layout is the attention backend's business, so each supported layout is one
+function here, registered under the backend it belongs to; an unknown layout is refused at start,
+never guessed.
 
 vLLM 0.32 hands every backend a per-layer cache whose *logical* shape is
-[num_blocks, num_kv_heads, block_size, 2 * head_size] (strides may permute it physically).
+[num_blocks, num_kv_heads, block_size, 2 * head_size]; the resolved ``KVCacheLayout`` permutes
+it physically through strides, and a backend's kernels may arrange the bytes inside a block their
+own way (the CPU ``vec`` kernels do).
+
+Adding a layout:
+    1. Write ``def my_keys(kv_cache, block_ids, num_tokens) -> Tensor`` returning the keys of the
+       first ``num_tokens`` tokens of the request whose blocks are ``block_ids`` (in request
+       order), as ``[num_tokens, num_kv_heads, head_size]``.
+    2. Decorate it with ``@register_kv_layout("<impl class name>", isa=...)``: the name is
+       ``type(attention_layer.impl).__name__`` (e.g. ``"FlashAttentionImpl"``) and ``isa`` the
+       ``isa`` attribute vLLM sets on the attention layer (the CPU backend does), or ``None``
+       when the layout does not depend on one.
+    3. Test it in tests/unit/test_kv_layout.py against a cache allocated by vLLM's own allocator
+       and written by the backend's own cache-update code (see the tests there). At run time the
+       worker also checks every scored request: the cached key of the last prompt token must
+       equal the key the layer computed (``score_layer`` in guardrail/worker/probe.py).
+
+Example:
+    >>> key_gather_for("CPUAttentionBackendImpl", "vec") is cpu_vec_keys
+    True
 """
 
 from __future__ import annotations
@@ -16,14 +36,64 @@ from collections.abc import Callable
 import torch
 
 KeyGather = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""``(kv_cache, block_ids, num_tokens) -> keys [num_tokens, num_kv_heads, head_size]``."""
+
+_KV_LAYOUTS: dict[tuple[str, str | None], tuple[KeyGather, str]] = {}
 
 
+def register_kv_layout(
+    backend_name: str, *, isa: str | None = None, note: str = ""
+) -> Callable[[KeyGather], KeyGather]:
+    """Register the decorated function as the key reader of ``backend_name`` (and ``isa``).
+
+    ``backend_name`` is the class name of the attention layer's ``impl``; ``isa`` the layer's
+    ``isa`` attribute, or ``None`` for a layout that does not depend on one. ``note`` (when the
+    layout applies, how to get it) is shown in the error for unsupported layouts. Registering the
+    same backend and ISA twice is an error, never a silent override.
+
+    Example:
+        >>> @register_kv_layout("DocExampleImpl", note="doctest only")
+        ... def example_keys(kv_cache, block_ids, num_tokens):
+        ...     return kv_cache
+        >>> key_gather_for("DocExampleImpl", None) is example_keys
+        True
+        >>> _ = _KV_LAYOUTS.pop(("DocExampleImpl", None))
+    """
+    key = (backend_name, isa)
+
+    def register(gather: KeyGather) -> KeyGather:
+        if key in _KV_LAYOUTS:
+            raise ValueError(
+                f"KV cache layout of {_describe(*key)} is already registered "
+                f"({_KV_LAYOUTS[key][0].__qualname__})"
+            )
+        _KV_LAYOUTS[key] = (gather, note)
+        return gather
+
+    return register
+
+
+def _describe(backend_name: str, isa: str | None) -> str:
+    return backend_name if isa is None else f"{backend_name} (isa {isa!r})"
+
+
+@register_kv_layout(
+    "CPUAttentionBackendImpl",
+    isa="vec",
+    note="vLLM's CPU backend on x86 (on CPUs with AMX: dtype not bfloat16), block size and head "
+    "size multiples of 32",
+)
 def cpu_vec_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Keys from vLLM's CPU attention cache (ISA ``vec``), as [num_tokens, kv_heads, dim].
 
     The CPU kernels store, per (block, kv head), the keys first as a transposed [dim, block_size]
-    tile (so a query multiplies a contiguous tile), then the values. Measured against the
-    keys the layer computed, not assumed: see tests/engine/test_kv_layout_live.py.
+    tile (so a query multiplies a contiguous tile), then the values. The CPU backend accepts only
+    the ``LBHNC`` layout, where each (block, kv head) plane is contiguous. Checked against the
+    keys the layer computed, not assumed: the worker compares, on every scored request, the cached
+    key of the last prompt token with the key the layer computed (``score_layer`` in
+    guardrail/worker/probe.py), the engine parity tests (tests/engine/test_engine.py) compare
+    scores read through the prefix cache with Hugging Face, and tests/unit/test_kv_layout.py
+    reads back keys written by vLLM's own CPU cache-update op.
 
     Example:
         >>> cache = torch.zeros(4, 1, 2, 2 * 3)  # 4 blocks, 1 kv head, block 2, dim 3
@@ -40,6 +110,11 @@ def cpu_vec_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: in
     return keys[:num_tokens]
 
 
+@register_kv_layout(
+    "FlashAttentionImpl",
+    note="vLLM's FlashAttention backend on GPU (--attention-backend FLASH_ATTN), any KV cache "
+    "layout",
+)
 def flash_attn_keys(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
 ) -> torch.Tensor:
@@ -62,15 +137,29 @@ def flash_attn_keys(
 
 
 def key_gather_for(backend_name: str, isa: str | None) -> KeyGather:
-    """The key reader for an attention backend, or a ``ValueError`` naming what is supported."""
-    if backend_name == "CPUAttentionBackendImpl" and isa == "vec":
-        return cpu_vec_keys
-    if backend_name == "FlashAttentionImpl":
-        return flash_attn_keys
+    """The key reader registered for an attention backend (and ISA), or a ``ValueError``.
+
+    A reader registered with ``isa=None`` serves every ISA of its backend. The error names the
+    registered layouts and how to add one.
+
+    Example:
+        >>> key_gather_for("FlashAttentionImpl", None) is flash_attn_keys
+        True
+        >>> key_gather_for("TritonAttentionImpl", None)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: unsupported KV cache layout: TritonAttentionImpl; ... @register_kv_layout ...
+    """
+    entry = _KV_LAYOUTS.get((backend_name, isa)) or _KV_LAYOUTS.get((backend_name, None))
+    if entry is not None:
+        return entry[0]
+    supported = "; ".join(
+        f"{_describe(*key)}: {note}" if note else _describe(*key)
+        for key, (_, note) in sorted(_KV_LAYOUTS.items(), key=lambda item: str(item[0]))
+    )
     raise ValueError(
-        f"unsupported KV cache layout: backend {backend_name!r} (isa {isa!r}); the guardrail probe "
-        "reads prefix-cached keys from the paged cache and knows CPUAttentionBackendImpl (isa vec: "
-        "x86 without AMX, head size a multiple of 32) and FlashAttentionImpl. Use one of those "
-        "backends (e.g. dtype float32 on CPU, or "
-        "--attention-backend FLASH_ATTN on GPU), or add the layout to guardrail/probe/kv_layout.py."
+        f"unsupported KV cache layout: {_describe(backend_name, isa)}; the guardrail probe reads "
+        f"prefix-cached keys from the paged cache and knows: {supported}. Use one of those "
+        "backends, or add the layout: a reader decorated with @register_kv_layout in "
+        "guardrail/probe/kv_layout.py (see its module docstring)."
     )

@@ -36,12 +36,13 @@ if TYPE_CHECKING:
     from guardrail.engine import GuardedOutput, HookedLLM, ProbeResult
     from guardrail.guard.guarded import GuardedLLM, GuardedResult
     from guardrail.metrics.recorder import GuardrailMetrics
-    from guardrail.policy import PromptInjectionPolicy, load_policy
+    from guardrail.policy import DataPatternPolicy, PromptInjectionPolicy, Reading, load_policy
 
 __all__ = [
     "Action",
     "Calibration",
     "ConfigError",
+    "DataPatternPolicy",
     "EngineNotGuardableError",
     "FailureMode",
     "GuardedLLM",
@@ -61,6 +62,7 @@ __all__ = [
     "ProbeResult",
     "PromptInjectionBlocked",
     "PromptInjectionPolicy",
+    "Reading",
     "RequestError",
     "Segment",
     "Verdict",
@@ -71,14 +73,16 @@ __all__ = [
 ]
 
 _LAZY = {
-    "HookedLLM": "guardrail.engine.hooked",
-    "GuardedOutput": "guardrail.engine.hooked",
-    "ProbeResult": "guardrail.engine.hooked",
-    "GuardedLLM": "guardrail.guard.guarded",
-    "GuardedResult": "guardrail.guard.guarded",
-    "PromptInjectionPolicy": "guardrail.policy.kinds",
-    "load_policy": "guardrail.policy.kinds",
-    "GuardrailMetrics": "guardrail.metrics.recorder",
+    "HookedLLM": "guardrail.engine",
+    "GuardedOutput": "guardrail.engine",
+    "ProbeResult": "guardrail.engine",
+    "GuardedLLM": "guardrail.guard",
+    "GuardedResult": "guardrail.guard",
+    "DataPatternPolicy": "guardrail.policy",
+    "PromptInjectionPolicy": "guardrail.policy",
+    "Reading": "guardrail.policy",
+    "load_policy": "guardrail.policy",
+    "GuardrailMetrics": "guardrail.metrics",
 }
 
 

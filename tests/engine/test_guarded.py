@@ -26,7 +26,7 @@ from guardrail.policy import PromptInjectionPolicy
 from guardrail.policy.verdict import Action, FailureMode, Verdict
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import GuardedPrompt
-from tests.conftest import start_engine, tiny_config
+from tests.helpers import start_engine, tiny_config
 
 MAX_TOKENS = 8
 REQUESTS: list[Any] = [

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from guardrail.metrics.http import start_metrics_server
 from guardrail.metrics.recorder import SCORE_BUCKETS, GuardrailMetrics
 from guardrail.policy.verdict import Action
-from tests.unit.test_metrics_http import delta, sample, scrape
+from tests.helpers import delta, sample, scrape
 
 MODEL = "tiny-llama"
 FILLER = "The quarterly report lists revenue, costs and the headcount of each team. "

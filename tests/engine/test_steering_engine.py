@@ -17,9 +17,8 @@ import torch
 
 from guardrail.engine import SteeringClient
 from guardrail.errors import ConfigError, EngineNotGuardableError
-from guardrail.steering import SteeringMetadata, SteeringVector, steering_delta
-from tests.engine.test_engine import FILLER, SYSTEM
-from tests.helpers import _load
+from guardrail.steering import SteeringVector, steering_delta
+from tests.helpers import FILLER, SYSTEM, _load, random_vector
 
 LAYER = 1
 REQUESTS = [
@@ -28,22 +27,6 @@ REQUESTS = [
     (SYSTEM, FILLER * 6),  # ~500 tokens: chunked prefill (max_num_batched_tokens=128)
     "Hello there",
 ]
-
-
-def _vector(engine, name="rand", method="add_vector", coefficient=6.0) -> SteeringVector:
-    hidden = engine.model_info["hidden_size"]
-    u = torch.randn(hidden, generator=torch.Generator().manual_seed(7))
-    meta = SteeringMetadata(
-        name=name,
-        model_id=engine.config.model_id,
-        layer=LAYER,
-        num_layers=engine.model_info["num_layers"],
-        hidden_size=hidden,
-        method=method,
-        coefficient=coefficient,
-        avg_proj=-3.0,
-    )
-    return SteeringVector(meta, u / u.norm())
 
 
 def _run(engine, steering=None, max_tokens=6):
@@ -56,8 +39,8 @@ def _run(engine, steering=None, max_tokens=6):
 def test_only_steered_rows_change_in_a_mixed_batch(tiny_engine):
     baseline = _run(tiny_engine)
     with (
-        tiny_engine.steering_vector(_vector(tiny_engine)) as add,
-        tiny_engine.steering_vector(_vector(tiny_engine, "proj", "adjust_rs", 1.0)) as proj,
+        tiny_engine.steering_vector(random_vector(tiny_engine)) as add,
+        tiny_engine.steering_vector(random_vector(tiny_engine, "proj", "adjust_rs", 1.0)) as proj,
     ):
         mixed = _run(tiny_engine, steering=[add.name, None, proj.name, None])
     for i in (1, 3):  # unsteered: identical tokens and bit-identical focus
@@ -76,7 +59,7 @@ def test_only_steered_rows_change_in_a_mixed_batch(tiny_engine):
 
 def test_removing_steering_restores_the_baseline_exactly(tiny_engine):
     baseline = _run(tiny_engine)
-    vector = _vector(tiny_engine)
+    vector = random_vector(tiny_engine)
     with tiny_engine.steering_vector(vector):
         steered = _run(tiny_engine, steering=vector.name)
         unsteered_while_loaded = _run(tiny_engine)
@@ -114,7 +97,9 @@ def _hf_steered_logprobs(model_dir: Path, token_ids: list[int], vector: Steering
 
 @pytest.mark.parametrize("method", ["add_vector", "adjust_rs"])
 def test_steered_logprobs_equal_hf_reference(tiny_engine, tiny_llama_dir, method):
-    vector = _vector(tiny_engine, method=method, coefficient=6.0 if method == "add_vector" else 1)
+    vector = random_vector(
+        tiny_engine, method=method, coefficient=6.0 if method == "add_vector" else 1
+    )
     request = REQUESTS[2]  # chunked prefill: steering must cover every chunk
     with tiny_engine.steering_vector(vector):
         params = tiny_engine.sampling(max_tokens=4, ignore_eos=True, logprobs=1)
@@ -137,7 +122,7 @@ def test_steered_logprobs_equal_hf_reference(tiny_engine, tiny_llama_dir, method
 
 
 def test_steered_requests_never_reuse_unsteered_cache(tiny_engine):
-    vector = _vector(tiny_engine)
+    vector = random_vector(tiny_engine)
     request = [REQUESTS[2]]
     params = tiny_engine.sampling(max_tokens=6, ignore_eos=True)
     tiny_engine.llm.reset_prefix_cache()
@@ -162,7 +147,7 @@ def test_steered_requests_never_reuse_unsteered_cache(tiny_engine):
 
 
 def test_worker_side_failure_is_reported_not_silent(tiny_engine):
-    vector, other = _vector(tiny_engine), _vector(tiny_engine, name="other")
+    vector, other = random_vector(tiny_engine), random_vector(tiny_engine, name="other")
     with tiny_engine.steering_vector(vector), tiny_engine.steering_vector(other):
         # the worker forgets a vector behind the engine's back; the layer stays hooked
         tiny_engine.llm.collective_rpc("guardrail_unload_steering", args=([vector.name],))
@@ -191,8 +176,8 @@ def test_capture_equals_hf_hidden_states(tiny_engine, tiny_llama_dir):
 
 def test_vectors_for_another_model_or_a_compiled_engine_are_refused(tiny_engine):
     wrong = SteeringVector(
-        _vector(tiny_engine).metadata.model_copy(update={"model_id": "org/other"}),
-        _vector(tiny_engine).direction,
+        random_vector(tiny_engine).metadata.model_copy(update={"model_id": "org/other"}),
+        random_vector(tiny_engine).direction,
     )
     with pytest.raises(ConfigError, match="does not fit the served model"):
         tiny_engine.load_steering_vector(wrong)
@@ -200,6 +185,6 @@ def test_vectors_for_another_model_or_a_compiled_engine_are_refused(tiny_engine)
     info = {**tiny_engine.model_info, "enforce_eager": False}
     compiled = SteeringClient(None, tiny_engine.config.model_id, info, tiny_engine.prepare)
     with pytest.raises(EngineNotGuardableError, match="enforce_eager=True"):
-        compiled.load(_vector(tiny_engine))
+        compiled.load(random_vector(tiny_engine))
     with pytest.raises(EngineNotGuardableError, match="enforce_eager=True"):
         compiled.plan("rand", 1)

@@ -30,7 +30,7 @@ from guardrail.metrics.recorder import (
 )
 from guardrail.policy.verdict import Action, Attempt, FailureMode, PolicyDecision, Verdict
 from guardrail.probe.config import load_model_config
-from tests.unit.test_metrics_http import Delta, delta, key
+from tests.helpers import Delta, delta, key
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"

@@ -17,14 +17,12 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from guardrail.metrics.http import (
     MULTIPROC_DIR_ENV,
@@ -35,62 +33,9 @@ from guardrail.metrics.http import (
     start_metrics_server,
 )
 from guardrail.metrics.recorder import SCORE_BUCKETS, GuardrailMetrics
-from guardrail.policy.verdict import Action, FailureMode, PolicyDecision, Verdict
+from tests.helpers import allow_or_block, delta, key, parse, sample, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def parse(text: str) -> Samples:
-    """Exposition text to ``{(sample name, sorted labels): value}`` (``_created`` left out)."""
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if not s.name.endswith("_created")
-    }
-
-
-def scrape(url: str) -> Samples:
-    response = httpx.get(url, timeout=10, follow_redirects=True)
-    response.raise_for_status()
-    assert response.headers["content-type"].startswith("text/plain")
-    return parse(response.text)
-
-
-def key(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
-    return name, tuple(sorted(labels.items()))
-
-
-def sample(samples: Samples, name: str, **labels: str) -> float | None:
-    """The value of one series, None when the series is absent (never 0 for a missing one)."""
-    return samples.get(key(name, **labels))
-
-
-@dataclass(frozen=True)
-class Delta:
-    """What happened between two scrapes.
-
-    ``changed``: every series on both scrapes, by how much it changed (0.0 when it did not);
-    ``new``: every series absent from the first scrape, with its value on the second. A series
-    on neither, or only on the first (which ``delta`` refuses), is in neither dict.
-    """
-
-    changed: Samples
-    new: Samples
-
-    def moved(self) -> Samples:
-        """The series of both scrapes whose value changed."""
-        return {k: v for k, v in self.changed.items() if v != 0}
-
-
-def delta(before: Samples, after: Samples) -> Delta:
-    gone = sorted(set(before) - set(after))
-    assert not gone, f"series vanished between the scrapes: {gone}"
-    return Delta(
-        changed={k: v - before[k] for k, v in after.items() if k in before},
-        new={k: v for k, v in after.items() if k not in before},
-    )
 
 
 def test_delta_tells_absent_from_zero():
@@ -104,30 +49,6 @@ def test_delta_tells_absent_from_zero():
     assert sample(got.new, "c") == 0.0 and sample(got.new, "b") is None
     with pytest.raises(AssertionError, match="vanished"):
         delta(before, {key("a"): 1.0})
-
-
-def allow_or_block(
-    focus: float | None, threshold: float = 0.5, *, error: str | None = None
-) -> Verdict:
-    action = Action.BLOCK if focus is None or focus <= threshold else Action.ALLOW
-    decision = PolicyDecision(
-        policy="block_low",
-        action=action,
-        signal="focus",
-        score=focus,
-        threshold=threshold,
-        failure=FailureMode.FAIL_CLOSED if focus is None else None,
-        reason="test",
-    )
-    return Verdict(
-        request_id="r",
-        action=action,
-        decisions=(decision,),
-        scores={} if focus is None else {"focus": focus},
-        probe_error=error,
-        probe_latency_s=0.0 if focus is None else 0.004,
-        reason="test",
-    )
 
 
 def test_one_call_server_exposes_exact_deltas_over_http():
@@ -266,7 +187,7 @@ WRITER = textwrap.dedent("""
     import prometheus_client.values
     assert prometheus_client.values.ValueClass.__name__ == "MmapedValue", "not multi-process"
     from guardrail.metrics.recorder import GuardrailMetrics
-    from tests.unit.test_metrics_http import allow_or_block
+    from tests.helpers import allow_or_block
 
     held, *focuses = sys.argv[1:]
     metrics = GuardrailMetrics(model_name="mp")

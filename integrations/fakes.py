@@ -25,7 +25,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 try:
     import langchain_core  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised by tests/unit/test_core_without_langchain.py
+except ImportError as exc:  # pragma: no cover - tests/unit/test_core_without_langchain.py
     raise ImportError(
         "guardrail.integrations.fakes needs langchain-core: pip install 'vllm-guardrail[langchain]'"
     ) from exc

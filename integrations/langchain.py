@@ -24,7 +24,7 @@ from __future__ import annotations
 
 try:
     import langchain_core  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised by tests/unit/test_core_without_langchain.py
+except ImportError as exc:  # pragma: no cover - tests/unit/test_core_without_langchain.py
     raise ImportError(
         "guardrail.integrations.langchain needs langchain-core: "
         "pip install 'vllm-guardrail[langchain]'"

@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from vllm import SamplingParams
-
-from guardrail import PromptInjectionBlocked, policies
-from guardrail.guard.guarded import GuardedLLM
+from guardrail import GuardedLLM, PromptInjectionBlocked, policies
+from guardrail.console import quiet_engine_logs, status
 
 EMAIL_TASK = "Summarize the email in one sentence."
 REQUESTS = [
@@ -38,8 +36,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="GuardedLLM quickstart")
     parser.add_argument("--model", default=None, help="model dir or id (default: embedded)")
     parser.add_argument("--probe-config", default=None, help="probe config JSON for the model")
+    parser.add_argument("--verbose", action="store_true", help="show vLLM's own logs too")
     args = parser.parse_args()
+    quiet_engine_logs(args.verbose)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU builds of vLLM need a KV size
+    from vllm import SamplingParams  # after the log level is set: vLLM reads it on import
+
+    status("starting the guarded engine (the first run converts the embedded model)")
 
     # Block below the model's calibrated threshold, flag a band just above it.
     with GuardedLLM(
@@ -50,6 +53,7 @@ def main() -> None:
         enforce_eager=True,  # quick start-up; the probe also runs in vLLM's compiled mode
         max_model_len=2048,
     ) as llm:
+        status("engine ready; generating")
         params = SamplingParams(temperature=0.0, max_tokens=48)
         for result in llm.generate(REQUESTS, params):
             if result.error is not None:  # a bad request fails alone

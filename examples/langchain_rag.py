@@ -23,8 +23,8 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnablePassthrough
 
-from guardrail import policies
-from guardrail.guard.guarded import GuardedLLM
+from guardrail import GuardedLLM, policies
+from guardrail.console import quiet_engine_logs, status
 
 DOCUMENTS = {
     "museum": Document(
@@ -55,8 +55,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="A guarded LangChain RAG chain")
     parser.add_argument("--model", default=None, help="model dir or id (default: embedded)")
     parser.add_argument("--probe-config", default=None, help="probe config JSON for the model")
+    parser.add_argument("--verbose", action="store_true", help="show vLLM's own logs too")
     args = parser.parse_args()
+    quiet_engine_logs(args.verbose)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU builds of vLLM need a KV size
+    status("starting the guarded engine")
 
     # Block below the model's calibrated threshold, flag a band just above it.
     with GuardedLLM(

@@ -25,6 +25,7 @@ from typing import Any
 from guardrail.cli import calibrate, evaluate, rows, threshold
 from guardrail.cli.common import score_pairs, scores_for
 from guardrail.cli.evaluate import load_detectors
+from guardrail.console import quiet_engine_logs
 from guardrail.errors import GuardrailError
 from guardrail.offline.steering_build import configure_steer, run_steer
 
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in SUBCOMMANDS.values():
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        sub.add_argument("--verbose", action="store_true", help="show vLLM's own logs too")
         command.configure(sub)
     return parser
 
@@ -88,6 +90,7 @@ def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
         0
     """
     args = build_parser().parse_args(argv)
+    quiet_engine_logs(args.verbose)
     try:
         return SUBCOMMANDS[args.command].run(args, engine)
     except GuardrailError as exc:

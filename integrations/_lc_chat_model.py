@@ -10,6 +10,12 @@ Streaming: ``vllm.LLM.generate`` is not incremental, so ``stream``/``astream`` g
 answer, decide, and then emit it in word-sized chunks (token callbacks fire per chunk); a
 blocked call raises before the first chunk.
 
+Standard LangChain constructor arguments are accepted (the standard test suite,
+``langchain-tests``, passes; see docs/langchain.md): ``max_tokens``, ``temperature``, ``stop``,
+``timeout`` and ``streaming`` act; ``max_retries`` and ``api_key`` are accepted and ignored
+(nothing goes over a network). Tool calling, structured output and non-text inputs are not
+supported: ``bind_tools`` / ``with_structured_output`` raise ``NotImplementedError`` saying so.
+
 Example:
     >>> from guardrail.guard.guarded import GuardedLLM
     >>> model = GuardedChatModel(guarded=GuardedLLM(dtype="float32"))  # doctest: +SKIP
@@ -20,17 +26,20 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import re
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import ensure_config
-from pydantic import ConfigDict, Field
+from langchain_core.tools import BaseTool
+from pydantic import ConfigDict, Field, SecretStr
 
 from guardrail.errors import ConfigError, RequestError
 from guardrail.guard.batcher import batcher_for
@@ -46,6 +55,9 @@ METADATA_KEY = "guardrail"
 """Key of the verdict in an answer's ``response_metadata``."""
 
 SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "seed")
+"""Sampling options: fields, or per call (``invoke(..., max_tokens=...)`` / ``bind``)."""
+CALL_OPTIONS = (*SAMPLING_OPTIONS, "stop", "model", "stream")
+"""Every option a call accepts (``model`` only when it names the served model)."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +104,22 @@ class GuardedChatModelBase(BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
     max_tokens: int = Field(default=256, ge=1)
+    """Most tokens generated per call."""
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
+    stop: list[str] | None = None
+    """Stop strings: generation ends before the first one; a per-call ``stop`` replaces them."""
+    streaming: bool = False
+    """``invoke`` goes through ``stream`` (token callbacks fire per chunk), as in LangChain."""
+    timeout: float | None = Field(default=None, gt=0)
+    """Seconds a call waits for its answer from the engine's micro-batcher (queue plus
+    generation) before it raises ``TimeoutError``; None waits as long as it takes."""
+    max_retries: int | None = Field(default=None, ge=0)
+    """Accepted for drop-in compatibility and ignored: nothing is sent over a network, so
+    nothing is retried (a failed or blocked call raises at once)."""
+    api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
+    """Accepted for drop-in compatibility and ignored: the engine runs in this process."""
 
     # -- subclass hooks ----------------------------------------------------------------------
     def _complete(self, call: ModelCall) -> ModelAnswer:
@@ -106,19 +131,60 @@ class GuardedChatModelBase(BaseChatModel):
     def _model_label(self) -> str:
         return self._llm_type
 
+    _ls_provider: ClassVar[str] = "guardrail"  # tracing's ``ls_provider``
+
+    # -- LangChain's standard surface -------------------------------------------------------
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        """Tracing parameters: the served model's name (a per-call ``model`` is reported as
+        asked; the call itself refuses a name other than the served model's)."""
+        model = kwargs.get("model")
+        params = LangSmithParams(
+            ls_provider=self._ls_provider,
+            ls_model_name=model if isinstance(model, str) else self._model_label(),
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+        )
+        stops = stop if stop is not None else self.stop
+        if stops:
+            params["ls_stop"] = list(stops)
+        return params
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | None = None,
+        **kwargs: Any,
+    ) -> Runnable[Any, AIMessage]:
+        """Not supported: raises ``NotImplementedError`` (``with_structured_output`` too)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support tool calling or structured output: the "
+            "guarded engine generates plain text and parses no tool calls. Guard a tool-calling "
+            "model's inputs with InputGuard instead (docs/langchain.md)."
+        )
+
     # -- the shared flow ---------------------------------------------------------------------
     def _prepare(
         self, messages: Sequence[BaseMessage], stop: list[str] | None, run_manager: Any, kw: Any
     ) -> ModelCall:
-        unknown = set(kw) - set(SAMPLING_OPTIONS) - {"stream"}
+        unknown = set(kw) - set(CALL_OPTIONS)
         if unknown:
             raise ConfigError(
                 f"{type(self).__name__} got unsupported call options {sorted(unknown)}; it "
-                f"accepts {', '.join(SAMPLING_OPTIONS)} and stop (tools are not supported)"
+                f"accepts {', '.join(SAMPLING_OPTIONS)}, stop and model (tools are not "
+                "supported)"
+            )
+        model = kw.get("model")
+        if model is not None and model != self._model_label():
+            raise ConfigError(
+                f"{type(self).__name__} serves {self._model_label()!r} only; a call cannot "
+                f"switch to model={model!r}"
             )
         options = {k: kw.get(k, getattr(self, k)) for k in SAMPLING_OPTIONS}
-        if stop:
-            options["stop"] = list(stop)
+        stops = stop if stop is not None else self.stop
+        if stops:
+            options["stop"] = list(stops)
         scopes = _current_scopes(run_manager)
         values = [v for scope in scopes for v in scope.untrusted_values()]
         marked, found = to_guardrail_messages(messages, values)
@@ -231,9 +297,15 @@ class GuardedChatModel(GuardedChatModelBase):
 
     The ``GuardedLLM``'s own ``on_block`` is not used: the model always raises on block, and a
     ``GuardedRunnable`` turns that into a refusal when asked to. Calls from threads and event
-    loops are batched onto the engine by one worker per engine (see ``_lc_batcher``), so
-    ``batch``, ``abatch`` and concurrent ``ainvoke`` calls share ``generate`` batches. Tool
-    calling is not supported.
+    loops are batched onto the engine by one worker per engine (``guardrail.guard.batcher``),
+    so ``batch``, ``abatch`` and concurrent ``ainvoke`` calls share ``generate`` batches.
+
+    Arguments: ``guarded`` (the ``GuardedLLM``); ``max_tokens``, ``temperature``, ``top_p``,
+    ``seed`` and ``stop`` go to vLLM's ``SamplingParams``; ``timeout`` bounds how long a call
+    waits for the engine (``TimeoutError``); ``streaming=True`` makes ``invoke`` stream;
+    ``max_retries`` and ``api_key`` are accepted and ignored (no network, no service). Tool
+    calling and structured output are not supported (``bind_tools`` raises
+    ``NotImplementedError``).
 
     Example:
         >>> model = GuardedChatModel(guarded=guarded_llm, max_tokens=64)  # doctest: +SKIP
@@ -248,11 +320,14 @@ class GuardedChatModel(GuardedChatModelBase):
     def _llm_type(self) -> str:
         return "guardrail-vllm"
 
+    _ls_provider: ClassVar[str] = "vllm"
+
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {
             "model_name": self._model_label(),
             **{k: getattr(self, k) for k in SAMPLING_OPTIONS},
+            "stop": self.stop,
         }
 
     def _model_label(self) -> str:
@@ -279,8 +354,25 @@ class GuardedChatModel(GuardedChatModelBase):
             finish_reason=result.finish_reason,
         )
 
+    def _timed_out(self) -> TimeoutError:
+        return TimeoutError(
+            f"{type(self).__name__}: no answer from the engine within timeout={self.timeout}s "
+            "(waiting in its micro-batcher queue plus generation). The request was withdrawn if "
+            "it had not started; otherwise the engine finishes it and its answer is discarded."
+        )
+
     def _complete(self, call: ModelCall) -> ModelAnswer:
-        return self._answer(self._submit(call).result())
+        future = self._submit(call)
+        done, _ = concurrent.futures.wait([future], timeout=self.timeout)
+        if not done:
+            future.cancel()
+            raise self._timed_out()
+        return self._answer(future.result())
 
     async def _acomplete(self, call: ModelCall) -> ModelAnswer:
-        return self._answer(await asyncio.wrap_future(self._submit(call)))
+        waiting = asyncio.wrap_future(self._submit(call))
+        done, _ = await asyncio.wait([waiting], timeout=self.timeout)
+        if not done:
+            waiting.cancel()  # cancels the engine job too, unless it already started
+            raise self._timed_out()
+        return self._answer(waiting.result())

@@ -77,6 +77,13 @@ class InputGuard(RunnableSerializable[dict[str, Any], dict[str, Any]]):
     _check_policies = field_validator("policies", mode="before")(validate_policies)
     _check_keys = field_validator("untrusted", mode="before")(validate_keys)
 
+    def get_input_schema(self, config: RunnableConfig | None = None) -> Any:
+        """The prompt's input schema when there is a prompt (the input fills it), so a guard
+        around ``InputGuard | ...`` can check its untrusted keys when it is built."""
+        if self.prompt is not None:
+            return self.prompt.get_input_schema(config)
+        return super().get_input_schema(config)
+
     def _request(self, input: Any, scopes: Sequence[GuardScope]) -> RequestLike:
         if not isinstance(input, dict):
             raise ConfigError(f"InputGuard takes a dict input, got {type(input).__name__}")

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterator, Mapping
 from functools import partial
 from typing import Any, Literal
@@ -20,7 +21,7 @@ from langchain_core.messages import BaseMessage
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializable
 from langchain_core.runnables.config import ensure_config
 from langchain_core.runnables.utils import AddableDict
-from pydantic import ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
 
 from guardrail.errors import ConfigError, PromptInjectionBlocked
 from guardrail.guard.guarded import DEFAULT_REFUSAL
@@ -33,6 +34,8 @@ CHAIN_METADATA_KEY = "guardrail_chain"
 """Key of the ``ChainVerdict`` in a guarded chain's message output ``response_metadata``."""
 
 OnBlock = Literal["raise", "refuse"]
+
+logger = logging.getLogger("guardrail.integrations.langchain")
 
 
 def validate_policies(policies: Any) -> tuple[Policy, ...] | None:
@@ -62,6 +65,50 @@ def validate_keys(keys: Any) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def _schema_keys(schema: Any) -> set[str] | None:
+    """The keys an input/output schema lists, or None when it lists none (any input, a string,
+    or the ``root`` stand-in LangChain uses when a step takes anything)."""
+    try:
+        properties = schema.model_json_schema().get("properties") or {}
+    except Exception:  # an arbitrary type without a JSON schema: keys unknown
+        return None
+    keys = {k for k in properties if isinstance(k, str)}
+    return keys if keys and "root" not in keys else None
+
+
+def chain_keys(runnable: Runnable[Any, Any]) -> tuple[set[str], set[str]] | None:
+    """``(input keys, every key visible inside)`` of a chain, from its input schema and the
+    schemas of every step of its graph (so a key a step produces, e.g. the ``"context"`` of a
+    ``RunnableParallel`` or ``RunnablePassthrough.assign``, counts); None when the chain's input
+    schema lists no keys, so which keys it receives is only known when it runs.
+
+    Example:
+        >>> from langchain_core.prompts import ChatPromptTemplate
+        >>> prompt = ChatPromptTemplate.from_messages([("user", "{context} {question}")])
+        >>> sorted(chain_keys(prompt)[0])
+        ['context', 'question']
+    """
+    try:
+        top = _schema_keys(runnable.get_input_schema())
+        if top is None:
+            return None
+        inside = set(top)
+        for node in runnable.get_graph().nodes.values():
+            data = node.data
+            schemas = (
+                [data]
+                if isinstance(data, type) and issubclass(data, BaseModel)
+                else [data.get_input_schema(), data.get_output_schema()]
+                if isinstance(data, Runnable)
+                else []
+            )
+            for schema in schemas:
+                inside |= _schema_keys(schema) or set()
+    except Exception:  # a step whose schema or graph cannot be built: check when it runs
+        return None
+    return top, inside
+
+
 def with_handler(config: RunnableConfig | None, handler: Any) -> RunnableConfig:
     """A copy of ``config`` whose callbacks also hold ``handler`` (inherited by child runs)."""
     config = ensure_config(config)  # copies the callbacks list or manager
@@ -85,23 +132,6 @@ def _gather(chunks: Iterator[Any]) -> Any:
     return final
 
 
-def _report(
-    scope: GuardScope, config: RunnableConfig, blocked: PromptInjectionBlocked | None = None
-) -> ChainVerdict:
-    """The scope's chain verdict, dispatched as a custom event from the guard's run."""
-    report = scope.report(blocked)
-    dispatch_custom_event(VERDICT_EVENT, report.model_dump(mode="json"), config=config)
-    return report
-
-
-async def _areport(
-    scope: GuardScope, config: RunnableConfig, blocked: PromptInjectionBlocked | None = None
-) -> ChainVerdict:
-    report = scope.report(blocked)
-    await adispatch_custom_event(VERDICT_EVENT, report.model_dump(mode="json"), config=config)
-    return report
-
-
 async def _agather(chunks: AsyncIterator[Any]) -> Any:
     return _gather(iter([c async for c in chunks]))
 
@@ -116,13 +146,21 @@ class GuardedRunnable(RunnableSerializable[Any, Any]):
     also mark every retrieved document and tool output. ``policies`` (optional) overrides the
     models' policies for calls inside this guard.
 
-    Outcome (``ChainVerdict``: the strictest verdict of all guarded calls inside):
-    - block: with ``on_block="raise"`` (default) a ``GuardrailBlockedError`` carrying every
-      verdict; with ``"refuse"`` the ``refusal`` (a value, or a callable of the ``ChainVerdict``).
-    - flag / allow: the chain's output; a message output gets the report in
+    ``untrusted`` keys are checked: when the chain's input schema lists its keys, a key that
+    neither the input nor any step of the chain has (a typo) raises ``ConfigError`` here;
+    otherwise the first call logs a warning for a key that appeared nowhere.
+
+    Outcome (``ChainVerdict`` over the verdicts of all guarded calls inside):
+    - a block reaches the guard: with ``on_block="raise"`` (default) a
+      ``GuardrailBlockedError`` carrying every verdict; with ``"refuse"`` the ``refusal`` (a
+      value, or a callable of the ``ChainVerdict``). The chain verdict is ``block``.
+    - the chain answers: its output; a message output gets the report in
       ``response_metadata["guardrail_chain"]``; with ``include_report=True`` every output is
-      ``{"output": ..., "guardrail": ChainVerdict}``. Every call also dispatches the report as
-      the custom callback event ``"guardrail_verdict"`` (see ``VerdictCollector``).
+      ``{"output": ..., "guardrail": ChainVerdict}``. The chain verdict is ``allow`` or
+      ``flag``; a block the chain handled itself (``with_fallbacks``) gives ``flag`` with
+      ``fell_back=True``, since the output delivered is the fallback's. Every call also
+      dispatches the report as the custom callback event ``"guardrail_verdict"`` (see
+      ``VerdictCollector``).
 
     Streaming passes chunks through as they come: a guarded model decides after its prefill,
     before its first chunk. A block after chunks were already emitted (e.g. a second model in a
@@ -149,6 +187,49 @@ class GuardedRunnable(RunnableSerializable[Any, Any]):
 
     _check_policies = field_validator("policies", mode="before")(validate_policies)
     _check_keys = field_validator("untrusted", mode="before")(validate_keys)
+    _check_on_first_call: bool = PrivateAttr(default=False)
+
+    def __init__(self, **data: Any) -> None:
+        super().__init__(**data)
+        self._check_untrusted_keys()
+
+    def _check_untrusted_keys(self) -> None:
+        """Refuse an untrusted key the chain can never receive (a typo guards nothing). When
+        the chain's input schema lists no keys, the first call checks instead (a warning)."""
+        if not self.untrusted:
+            return
+        keys = chain_keys(self.runnable)
+        if keys is None:
+            self._check_on_first_call = True
+            return
+        top, inside = keys
+        unknown = [k for k in self.untrusted if k not in inside]
+        if unknown:
+            produced = sorted(inside - top)
+            raise ConfigError(
+                f"untrusted key(s) {unknown} never reach this chain, so nothing would be marked "
+                f"as data: its input takes {sorted(top)}"
+                + (f" and its steps produce {produced}" if produced else "")
+                + "; check the spelling"
+            )
+
+    def _check_first_call(self, scope: GuardScope) -> None:
+        """On the first call of a guard whose chain lists no input keys: warn about untrusted
+        keys that appeared nowhere (neither in the input nor in any step's input or output)."""
+        if not self._check_on_first_call:
+            return
+        self._check_on_first_call = False
+        seen = scope.seen_keys()
+        missing = [k for k in self.untrusted if k not in seen]
+        if missing:
+            logger.warning(
+                "GuardedRunnable: untrusted key(s) %s appeared nowhere in its first call (keys "
+                "seen in the input and in the chain's steps: %s), so nothing under that name "
+                "was marked as data; check the spelling (checked once: the chain's input "
+                "schema does not list its keys)",
+                missing,
+                seen[:20],
+            )
 
     @property
     def InputType(self) -> Any:
@@ -173,6 +254,30 @@ class GuardedRunnable(RunnableSerializable[Any, Any]):
             retrieved_documents=self.untrusted_documents,
             tool_outputs=self.untrusted_tool_outputs,
         )
+
+    def _report(
+        self,
+        scope: GuardScope,
+        config: RunnableConfig,
+        blocked: PromptInjectionBlocked | None = None,
+    ) -> ChainVerdict:
+        """The scope's chain verdict (``blocked``: the block that reached the guard, None when
+        the chain answered), dispatched as a custom event from the guard's run."""
+        self._check_first_call(scope)
+        report = scope.report(blocked)
+        dispatch_custom_event(VERDICT_EVENT, report.model_dump(mode="json"), config=config)
+        return report
+
+    async def _areport(
+        self,
+        scope: GuardScope,
+        config: RunnableConfig,
+        blocked: PromptInjectionBlocked | None = None,
+    ) -> ChainVerdict:
+        self._check_first_call(scope)
+        report = scope.report(blocked)
+        await adispatch_custom_event(VERDICT_EVENT, report.model_dump(mode="json"), config=config)
+        return report
 
     def _deliver(self, output: Any, report: ChainVerdict) -> Any:
         if isinstance(output, BaseMessage):
@@ -207,9 +312,9 @@ class GuardedRunnable(RunnableSerializable[Any, Any]):
         try:
             output = self.runnable.invoke(input, config, **kw)
         except PromptInjectionBlocked as exc:
-            report = _report(scope, config, exc)
+            report = self._report(scope, config, exc)
             return self._blocked(exc, report)
-        report = _report(scope, config)
+        report = self._report(scope, config)
         return self._deliver(output, report)
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
@@ -224,9 +329,9 @@ class GuardedRunnable(RunnableSerializable[Any, Any]):
         try:
             output = await self.runnable.ainvoke(input, config, **kw)
         except PromptInjectionBlocked as exc:
-            report = await _areport(scope, config, exc)
+            report = await self._areport(scope, config, exc)
             return self._blocked(exc, report)
-        report = await _areport(scope, config)
+        report = await self._areport(scope, config)
         return self._deliver(output, report)
 
     # -- stream --------------------------------------------------------------------------------
@@ -256,12 +361,12 @@ class GuardedRunnable(RunnableSerializable[Any, Any]):
                 emitted = True
                 yield self._chunk(chunk)
         except PromptInjectionBlocked as exc:
-            report = _report(scope, config, exc)
+            report = self._report(scope, config, exc)
             if emitted:
                 raise self._error(exc, report) from exc
             yield self._blocked(exc, report)
             return
-        report = _report(scope, config)
+        report = self._report(scope, config)
         if self.include_report:
             yield AddableDict(guardrail=report)
 
@@ -300,11 +405,11 @@ class GuardedRunnable(RunnableSerializable[Any, Any]):
                 emitted = True
                 yield self._chunk(chunk)
         except PromptInjectionBlocked as exc:
-            report = await _areport(scope, config, exc)
+            report = await self._areport(scope, config, exc)
             if emitted:
                 raise self._error(exc, report) from exc
             yield self._blocked(exc, report)
             return
-        report = await _areport(scope, config)
+        report = await self._areport(scope, config)
         if self.include_report:
             yield AddableDict(guardrail=report)

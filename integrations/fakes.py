@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -70,6 +70,8 @@ class FakeGuardedChatModel(GuardedChatModelBase):
     number, a function of the marked messages, or None for ``focus_from_markers``);
     ``policies`` and ``threshold`` play the ``GuardedLLM``'s policies and its model's calibrated
     threshold. A surrounding ``GuardedRunnable``'s policies override them, as for the real one.
+    It takes the same standard arguments; ``stop`` cuts the answer before the first stop
+    string, ``timeout`` has nothing to wait for.
 
     Example:
         >>> from guardrail.integrations.langchain import GuardrailBlockedError
@@ -90,6 +92,8 @@ class FakeGuardedChatModel(GuardedChatModelBase):
     @classmethod
     def _load(cls, policies: Any, info: ValidationInfo) -> tuple[Policy, ...]:
         return load_policies(policies, info.data.get("threshold"))
+
+    _ls_provider: ClassVar[str] = "fake"
 
     @property
     def _llm_type(self) -> str:
@@ -116,6 +120,9 @@ class FakeGuardedChatModel(GuardedChatModelBase):
             model_threshold=self.threshold,
         )
         text = self.response(call.messages) if callable(self.response) else self.response
+        cut = [text.find(s) for s in call.options.get("stop") or () if s in text]
+        if cut:  # the engine stops before the first stop string, and so does the fake
+            text = text[: min(cut)]
         if verdict.blocked:
             text = ""
         return ModelAnswer(

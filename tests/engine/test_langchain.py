@@ -8,6 +8,7 @@ measured values, so each of block / flag / allow is really exercised on the rand
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
 from langchain_core.tracers.context import collect_runs
 
-from guardrail.errors import PromptInjectionBlocked
+from guardrail.errors import ConfigError, PromptInjectionBlocked
 from guardrail.guard.guarded import GuardedLLM
 from guardrail.policy.verdict import Action
 from guardrail.probe.prompts import Message, Segment
@@ -304,6 +305,42 @@ def test_with_fallbacks_catches_a_block(tiny_engine: Any, levels: Levels) -> Non
     assert guarded.invoke(levels.low) == "safe"
 
 
+def test_a_fallback_inside_the_guard_is_reported_as_such(tiny_engine: Any, levels: Levels) -> None:
+    """The guard sees the blocked call, but the chain answered with its fallback: the chain
+    verdict says so (flag, ``fell_back``), not ``block``."""
+    model = chat(tiny_engine, levels.policies())
+    fallback = RunnableLambda(lambda _: AIMessage(content="fallback"))
+    chain = PROMPT | model.with_fallbacks([fallback]) | StrOutputParser()
+    guarded = GuardedRunnable(runnable=chain, untrusted=["context"], include_report=True)
+    out = guarded.invoke(levels.low)
+    report = out["guardrail"]
+    assert out["output"] == "fallback" and report.fell_back and not report.blocked
+    assert report.action is Action.FLAG and "answered with its fallback" in report.reason
+    (verdict,) = report.verdicts
+    assert verdict.blocked and verdict.stopped_early
+    assert verdict.focus == pytest.approx(levels.focus[levels.low["context"]], abs=1e-5)
+    allowed = guarded.invoke(levels.high)["guardrail"]
+    assert allowed.action is Action.ALLOW and not allowed.fell_back
+
+
+def test_an_untrusted_key_the_chain_never_receives_is_refused(
+    tiny_engine: Any, levels: Levels, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = chat(tiny_engine, levels.policies())
+    with pytest.raises(ConfigError, match=r"\['contxt'\] never reach.*\['context', 'question'\]"):
+        GuardedRunnable(runnable=PROMPT | model | StrOutputParser(), untrusted=["contxt"])
+    # A RAG chain takes any input (its schema lists no keys): the first call warns instead.
+    docs = [Document(page_content=levels.low["context"])]
+    retrieve = RunnableParallel(context=_Docs(docs=docs) | _join, question=RunnablePassthrough())
+    rag = retrieve | PROMPT | model | StrOutputParser()
+    typo = GuardedRunnable(runnable=rag, untrusted=["contxt"])
+    with caplog.at_level(logging.WARNING, logger="guardrail.integrations.langchain"):
+        typo.invoke(QUESTION)  # the injected context is not marked: the typo guarded nothing
+    assert "['contxt'] appeared nowhere" in caplog.text
+    with pytest.raises(GuardrailBlockedError):  # spelled right, the context is data: blocked
+        GuardedRunnable(runnable=rag, untrusted=["context"]).invoke(QUESTION)
+
+
 class _Docs(BaseRetriever):
     """A retriever stand-in: always the same documents."""
 
@@ -388,6 +425,33 @@ def test_model_alone_trusts_system_and_user_and_not_tools(tiny_engine: Any) -> N
     )
     assert with_tool.response_metadata["guardrail"]["data_spans"] != []
     assert with_tool.usage_metadata and with_tool.usage_metadata["input_tokens"] > 0
+
+
+def test_standard_arguments_act_on_the_engine(tiny_engine: Any) -> None:
+    ask = "Summarize the email."
+    model = GuardedChatModel(
+        guarded=GuardedLLM.from_engine(tiny_engine, MEASURE),
+        max_tokens=8,
+        max_retries=2,  # accepted, not applicable
+        api_key="unused",  # accepted, ignored
+    )
+    full = model.invoke(ask).content  # some prompts decode to "" on the random model
+    assert isinstance(full, str) and len(full) >= 4, full
+    stop = full[len(full) // 2 :]  # a stop string: vLLM ends the text right before it
+    assert model.invoke(ask, stop=[stop]).content == full[: full.index(stop)]
+    stopped = GuardedChatModel(guarded=model.guarded, max_tokens=8, stop=[stop])
+    assert stopped.invoke(ask).content == full[: full.index(stop)]
+    tokens = _Tokens()  # streaming=True: invoke streams, token callbacks fire per chunk
+    streamed = GuardedChatModel(guarded=model.guarded, max_tokens=8, streaming=True)
+    assert streamed.invoke(ask, {"callbacks": [tokens]}).content == full
+    assert "".join(tokens.tokens) == full and len(tokens.tokens) > 1
+    # timeout: a call that cannot get its answer in time raises (the batcher alone waits 5 ms).
+    hurried = GuardedChatModel(guarded=model.guarded, max_tokens=8, timeout=0.001)
+    with pytest.raises(TimeoutError, match=r"timeout=0.001s"):
+        hurried.invoke(ask)
+    with pytest.raises(TimeoutError, match=r"timeout=0.001s"):
+        asyncio.run(hurried.ainvoke(ask))
+    assert model.invoke(ask).content == full  # the engine is fine afterwards
 
 
 def test_sync_batch_shares_engine_batches(tiny_engine: Any, levels: Levels) -> None:

@@ -9,6 +9,7 @@ import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from operator import itemgetter
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from guardrail.integrations.langchain import (
     GuardrailBlockedError,
     InputGuard,
     VerdictCollector,
+    guard_chain,
     mark_untrusted,
     to_guardrail_messages,
 )
@@ -28,7 +30,7 @@ from langchain_core.exceptions import LangChainException
 from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
-from langchain_core.runnables import RunnableLambda
+from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from pydantic import ValidationError
 
 from guardrail.errors import ConfigError, PromptInjectionBlocked, RequestError
@@ -205,16 +207,124 @@ def test_nested_guards_both_see_the_block() -> None:
     out = outer.invoke(ATTACK)
     assert out["output"] == "Sorry." and out["guardrail"].blocked
     assert len(out["guardrail"].verdicts) == 1
+    # An inner guard that refuses handles the block: the outer chain answered (the refusal).
+    refusing = inner.model_copy(update={"on_block": "refuse", "refusal": "No."})
+    out = outer.model_copy(update={"runnable": refusing}).invoke(ATTACK)
+    assert out["output"] == "No." and out["guardrail"].fell_back
+    assert not out["guardrail"].blocked and out["guardrail"].verdicts[0].blocked
 
 
-def test_unmarked_untrusted_value_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+def test_unmarked_untrusted_value_is_logged_once_per_input(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     shout = RunnableLambda(lambda x: {**x, "context": x["context"].upper()})
     guarded = GuardedRunnable(
         runnable=shout | PROMPT | FakeGuardedChatModel(), untrusted=["context"]
     )
     with caplog.at_level(logging.WARNING, logger="guardrail.integrations.langchain"):
         guarded.invoke({"context": "opens at nine", "question": "When?"})
-    assert "never appeared in a guarded model's prompt" in caplog.text
+    # The original value was captured four times on its way (guard, sequence, lambda...): one
+    # input, counted once.
+    (record,) = caplog.records
+    assert record.getMessage().startswith("1 untrusted input(s) ('context') had a value")
+    assert "never appeared unchanged in a guarded model's prompt" in record.getMessage()
+    assert "'opens at nine'" in record.getMessage()
+
+
+# -- untrusted keys the chain never receives ---------------------------------------------------
+def test_untrusted_typo_is_refused_when_the_chain_lists_its_keys() -> None:
+    chain = PROMPT | FakeGuardedChatModel() | StrOutputParser()
+    with pytest.raises(ConfigError) as refused:
+        GuardedRunnable(runnable=chain, untrusted=["contxt"])
+    message = str(refused.value)
+    assert "['contxt']" in message and "['context', 'question']" in message
+    # A key a step produces inside the chain (here RunnablePassthrough.assign) is known.
+    assign = RunnablePassthrough.assign(context=itemgetter("question") | RunnableLambda(str.upper))
+    GuardedRunnable(runnable=assign | chain, untrusted=["context"])
+    with pytest.raises(ConfigError, match=r"its steps produce \['context'\]"):
+        GuardedRunnable(runnable=assign | chain, untrusted=["context", "contxt"])
+    # guard_chain: the input guard reads the prompt, so the prompt's keys are the chain's.
+    with pytest.raises(ConfigError, match="contxt"):
+        guard_chain(chain, untrusted=["contxt"], input_guard=StubGuarded(), prompt=PROMPT)
+
+
+def test_untrusted_typo_warns_on_the_first_call_when_keys_are_unknown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    anything = RunnableLambda(lambda x: x)  # its input schema lists no keys
+    guarded = GuardedRunnable(
+        runnable=anything | PROMPT | FakeGuardedChatModel(response="At nine.") | StrOutputParser(),
+        untrusted=["contxt"],
+    )
+    with caplog.at_level(logging.WARNING, logger="guardrail.integrations.langchain"):
+        assert guarded.invoke(ATTACK) == "At nine."  # the typo guarded nothing: allowed
+        guarded.invoke(ATTACK)
+    (record,) = caplog.records  # the first call only
+    assert "['contxt'] appeared nowhere" in record.getMessage()
+    assert "'context'" in record.getMessage() and "'question'" in record.getMessage()
+    right = GuardedRunnable(
+        runnable=anything | PROMPT | FakeGuardedChatModel(), untrusted=["context"]
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="guardrail.integrations.langchain"):
+        right.invoke(BENIGN)
+    assert caplog.records == []
+
+
+# -- a block the chain handles itself ------------------------------------------------------------
+def test_fallback_inside_the_guard_is_reported_as_a_fallback_not_a_block() -> None:
+    fallback = RunnableLambda(lambda _: AIMessage("Fallback answer."))
+    model = FakeGuardedChatModel(response="At nine.").with_fallbacks([fallback])
+    chain = PROMPT | model | StrOutputParser()
+    guarded = GuardedRunnable(runnable=chain, untrusted=["context"], include_report=True)
+    out = guarded.invoke(ATTACK)
+    report = out["guardrail"]
+    assert out["output"] == "Fallback answer."
+    assert report.fell_back and report.action is Action.FLAG and report.flagged
+    assert not report.blocked
+    (verdict,) = report.verdicts  # the blocked call is still on record
+    assert verdict.blocked and verdict.focus == fakes.ATTACK_FOCUS
+    assert "handled the block and answered with its fallback" in report.reason
+    # Nothing blocked: no fallback. A block that reaches the guard: blocked by the guard.
+    clean = guarded.invoke(BENIGN)["guardrail"]
+    assert clean.action is Action.ALLOW and not clean.fell_back
+    bare = GuardedRunnable(runnable=PROMPT | FakeGuardedChatModel(), untrusted=["context"])
+    with pytest.raises(GuardrailBlockedError) as blocked:
+        bare.invoke(ATTACK)
+    assert blocked.value.report is not None and blocked.value.report.blocked
+    assert not blocked.value.report.fell_back
+    assert "blocked by the guard" in blocked.value.report.reason
+
+
+def test_fallback_is_reported_on_message_outputs_and_in_streams() -> None:
+    fallback = RunnableLambda(lambda _: AIMessage("Fallback answer."))
+    chain = PROMPT | FakeGuardedChatModel().with_fallbacks([fallback])
+    guarded = GuardedRunnable(runnable=chain, untrusted=["context"])
+    message = guarded.invoke(ATTACK)
+    assert message.content == "Fallback answer."
+    assert message.response_metadata["guardrail_chain"]["fell_back"] is True
+    assert message.response_metadata["guardrail_chain"]["action"] == "flag"
+    collector = VerdictCollector()
+    chunks = list(guarded.stream(ATTACK, {"callbacks": [collector]}))
+    assert "".join(c.content for c in chunks) == "Fallback answer."
+    (report,) = collector.reports
+    assert report.fell_back and not report.blocked
+
+
+def test_fake_honours_the_standard_arguments() -> None:
+    model = FakeGuardedChatModel(
+        response="Opens at nine. Closes at five.", stop=[" Closes"], timeout=1, max_retries=2
+    )
+    assert model.invoke("When?").content == "Opens at nine."
+    assert model.invoke("When?", stop=["nine"]).content == "Opens at "  # per call replaces
+    assert model.invoke("When?", stop=[]).content == "Opens at nine. Closes at five."
+    assert model.invoke("When?", model="fake-guarded").content == "Opens at nine."
+    with pytest.raises(ConfigError, match="cannot switch to model='gpt-x'"):
+        model.invoke("When?", model="gpt-x")
+    streaming = FakeGuardedChatModel(response="Opens at nine.", streaming=True)
+    tokens = _Tokens()
+    assert streaming.invoke("When?", {"callbacks": [tokens]}).content == "Opens at nine."
+    assert tokens.tokens == ["Opens ", "at ", "nine."]  # invoke went through stream
 
 
 # -- the batcher and the input guard, on a stub engine ----------------------------------------

@@ -21,17 +21,27 @@ Example:
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from guardrail.errors import ConfigError
 from guardrail.policy.reading import Reading
 from guardrail.policy.retry import RetrySettings
 from guardrail.policy.verdict import Action, FailureMode, PolicyDecision
+from guardrail.probe.config import (
+    ConfigModel,
+    FiniteNumber,
+    Flag,
+    StringInput,
+    describe_errors,
+    short_repr,
+)
 from guardrail.probe.prompts import Segment
 from guardrail.probe.scoring import FOCUS
 
@@ -56,13 +66,14 @@ STOP_ALWAYS = 1.0
 """A ``stop_below`` every focus reaches: the request is decided (blocked) before it runs."""
 
 
-class PromptInjectionPolicy(BaseModel):
+class PromptInjectionPolicy(ConfigModel):
     """Act on a probe signal: ``action`` when ``signal <= threshold`` (default: the focus).
 
     ``threshold`` defaults to the model config's calibrated threshold, optionally moved by
     ``threshold_offset`` (positive = stricter). ``shadow`` policies are evaluated and recorded,
     never enforced. ``on_probe_error`` decides when the probe could not score the request.
     ``retry`` configures action ``retry_with_steering`` (see ``guardrail.policy.retry``).
+    Numbers are strict and finite (a bool, a string, NaN or infinity is a ``ConfigError``).
 
     Example:
         >>> PromptInjectionPolicy(threshold=0.3, action="flag").effective_threshold(0.5)
@@ -71,21 +82,20 @@ class PromptInjectionPolicy(BaseModel):
         0.6
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     kind: Literal["prompt_injection"] = "prompt_injection"
     name: str = Field(default="prompt_injection", min_length=1)
-    action: Action = Action.BLOCK
+    action: Annotated[Action, StringInput] = Action.BLOCK
     signal: str = Field(default=FOCUS, min_length=1)
-    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
-    threshold_offset: float = Field(default=0.0, ge=-1.0, le=1.0)
-    shadow: bool = False
-    on_probe_error: FailureMode = FailureMode.FAIL_CLOSED
+    threshold: FiniteNumber | None = Field(default=None, ge=0.0, le=1.0)
+    threshold_offset: FiniteNumber = Field(default=0.0, ge=-1.0, le=1.0)
+    shadow: Flag = False
+    on_probe_error: Annotated[FailureMode, StringInput] = FailureMode.FAIL_CLOSED
     retry: RetrySettings = Field(default_factory=RetrySettings)
 
     @model_validator(mode="after")
     def _check(self) -> PromptInjectionPolicy:
-        if "retry" in self.model_fields_set and self.action is not Action.RETRY_WITH_STEERING:
+        retries = self.action is Action.RETRY_WITH_STEERING
+        if not retries and self.retry != RetrySettings():  # a dump's default retry is fine
             raise ValueError(
                 "retry settings only apply to action 'retry_with_steering'; set that action "
                 "or remove retry"
@@ -101,6 +111,15 @@ class PromptInjectionPolicy(BaseModel):
         """The threshold this policy applies on a model whose config says ``model_threshold``."""
         if self.threshold is not None:
             return self.threshold
+        if model_threshold is not None and (
+            isinstance(model_threshold, bool)
+            or not isinstance(model_threshold, numbers.Real)
+            or not math.isfinite(model_threshold)
+        ):
+            raise ConfigError(
+                f"policy {self.name!r}: the model threshold must be a finite number, got "
+                f"{short_repr(model_threshold)}; fix the model config's threshold"
+            )
         if model_threshold is None:
             raise ConfigError(
                 f"policy {self.name!r} has no threshold and the model config has none either: "
@@ -167,7 +186,7 @@ class PromptInjectionPolicy(BaseModel):
         return True
 
 
-class DataPatternPolicy(BaseModel):
+class DataPatternPolicy(ConfigModel):
     """Act when any of ``patterns`` (regular expressions) matches the request's untrusted data.
 
     Text only: decided from the request itself, so a blocking pattern policy ends the request
@@ -182,14 +201,12 @@ class DataPatternPolicy(BaseModel):
         <Action.BLOCK: 'block'>
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     kind: Literal["data_pattern"] = "data_pattern"
     name: str = Field(default="data_pattern", min_length=1)
-    action: Action = Action.BLOCK
+    action: Annotated[Action, StringInput] = Action.BLOCK
     patterns: tuple[str, ...] = Field(min_length=1)
-    ignore_case: bool = True
-    shadow: bool = False
+    ignore_case: Flag = True
+    shadow: Flag = False
 
     @model_validator(mode="after")
     def _check(self) -> DataPatternPolicy:
@@ -198,8 +215,11 @@ class DataPatternPolicy(BaseModel):
         for pattern in self.patterns:
             try:
                 re.compile(pattern)
-            except re.error as exc:
-                raise ValueError(f"pattern {pattern!r} is not a regular expression: {exc}") from exc
+            except (re.error, OverflowError, RecursionError) as exc:
+                raise ValueError(
+                    f"pattern {short_repr(pattern)} is not a usable regular expression: "
+                    f"{str(exc) or type(exc).__name__}"
+                ) from None
         return self
 
     @cached_property
@@ -256,20 +276,17 @@ DEFAULT_POLICY = PromptInjectionPolicy(name="block_injections")
 """Block at the model config's threshold, fail-closed: what a guard uses unless told otherwise."""
 
 
+_FIELDS = {str(t.model_fields["kind"].default): list(t.model_fields) for t in POLICY_TYPES}
+
+
+def _unknown_kind(kind: Any) -> str:
+    return f"unknown kind {short_repr(kind)} (kinds: {', '.join(sorted(_FIELDS))})"
+
+
 def _readable(exc: ValidationError, kind: str) -> str:
-    fields = {t.model_fields["kind"].default: list(t.model_fields) for t in POLICY_TYPES}
-    problems = []
-    for err in exc.errors():
-        loc = [str(p) for p in err["loc"] if str(p) not in fields]  # drop the union tag
-        where = ".".join(loc) or "policy"
-        if err["type"] == "extra_forbidden":
-            valid = ", ".join(fields.get(kind, []))
-            problems.append(f"unknown field {where!r} (valid fields: {valid})")
-        elif err["type"] == "union_tag_invalid":
-            problems.append(f"unknown kind {kind!r} (kinds: {', '.join(sorted(fields))})")
-        else:
-            problems.append(f"{where}: {err['msg']} (got {err['input']!r})")
-    return "; ".join(problems)
+    if any(err["type"] == "union_tag_invalid" for err in exc.errors()):
+        return _unknown_kind(kind)
+    return describe_errors(exc, _FIELDS.get(kind, ()), skip=_FIELDS)  # drop the union tag
 
 
 def load_policy(data: PolicyLike) -> Policy:
@@ -290,11 +307,14 @@ def load_policy(data: PolicyLike) -> Policy:
             f"dict, got {type(data).__name__}"
         )
     raw = {"kind": "prompt_injection", **data}
+    kind, name = raw["kind"], raw.get("name", raw["kind"])
+    label = repr(name) if isinstance(name, str) else short_repr(name)
+    if not isinstance(kind, str) or kind not in _FIELDS:  # checked here: pydantic would repr it
+        raise ConfigError(f"invalid policy {label}: {_unknown_kind(kind)}")
     try:
         return _POLICY_ADAPTER.validate_python(raw)
     except ValidationError as exc:
-        name = raw.get("name", raw["kind"])
-        raise ConfigError(f"invalid policy {name!r}: {_readable(exc, str(raw['kind']))}") from exc
+        raise ConfigError(f"invalid policy {label}: {_readable(exc, kind)}") from exc
 
 
 def load_policies(
@@ -306,7 +326,9 @@ def load_policies(
         >>> [p.name for p in load_policies([{"name": "a"}, {"name": "b"}], 0.5)]
         ['a', 'b']
     """
-    if isinstance(policies, (*POLICY_TYPES, Mapping, str)):
+    if isinstance(policies, (*POLICY_TYPES, Mapping, str, bytes)) or not isinstance(
+        policies, Iterable
+    ):
         raise ConfigError("policies must be a list of policies; wrap a single one in a list")
     loaded = tuple(load_policy(p) for p in policies)
     if not loaded:

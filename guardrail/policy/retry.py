@@ -15,12 +15,16 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from guardrail.errors import ConfigError
 from guardrail.policy.verdict import Action, Attempt, Verdict
+from guardrail.probe.config import ConfigModel, FiniteNumber, StringInput, WholeNumber
 from guardrail.steering.math import SteeringMethod
 from guardrail.steering.spec import Steering
 
@@ -32,27 +36,27 @@ __all__ = [
 ]
 
 
-class RetrySettings(BaseModel):
+class RetrySettings(ConfigModel):
     """How a ``retry_with_steering`` policy retries.
 
     ``vector``: a loaded or shipped vector name, or a file path (None: the model's shipped
     vector); ``method`` / ``coefficient`` override the vector file's defaults; steered attempt
     k (k >= 2) uses ``coefficient * coefficient_growth ** (k - 2)`` (with greedy decoding an
     identical retry would repeat itself); ``fallback`` applies when no attempt is left.
+    Numbers are strict and finite, and the last attempt's coefficient must be finite too: a bad
+    value is a ``ConfigError`` when the policy is made, never at the first retry.
 
     Example:
         >>> RetrySettings(max_attempts=3, coefficient=1.0, coefficient_growth=1.5).fallback
         <Action.BLOCK: 'block'>
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    vector: str | None = None
+    vector: str | None = Field(default=None, min_length=1)
     method: SteeringMethod | None = None
-    coefficient: float | None = None
-    coefficient_growth: float = Field(default=1.0, gt=0.0, le=10.0)
-    max_attempts: int = Field(default=2, ge=2, le=4)
-    fallback: Action = Action.BLOCK
+    coefficient: FiniteNumber | None = None
+    coefficient_growth: FiniteNumber = Field(default=1.0, gt=0.0, le=10.0)
+    max_attempts: WholeNumber = Field(default=2, ge=2, le=4)
+    fallback: Annotated[Action, StringInput] = Action.BLOCK
 
     @field_validator("fallback")
     @classmethod
@@ -60,6 +64,18 @@ class RetrySettings(BaseModel):
         if value not in (Action.BLOCK, Action.FLAG):
             raise ValueError(f"fallback must be 'block' or 'flag', got {value.value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _last_coefficient_is_finite(self) -> RetrySettings:
+        if self.coefficient is not None:
+            last = self.coefficient * self.coefficient_growth ** (self.max_attempts - 2)
+            if not math.isfinite(last):
+                raise ValueError(
+                    f"coefficient {self.coefficient:g} grows to {last} by attempt "
+                    f"{self.max_attempts} (coefficient_growth {self.coefficient_growth:g}): "
+                    "use a smaller coefficient or growth"
+                )
+        return self
 
 
 def attempt_steering(
@@ -79,6 +95,12 @@ def attempt_steering(
     if settings.coefficient_growth != 1.0:
         base = vector_coefficient if coefficient is None else coefficient
         coefficient = base * settings.coefficient_growth ** (attempt - 2)
+        if not math.isfinite(coefficient):
+            raise ConfigError(
+                f"retry attempt {attempt}: steering coefficient {base:g} x growth "
+                f"{settings.coefficient_growth:g}^{attempt - 2} is not finite; use a smaller "
+                "coefficient (policy retry.coefficient or the vector file's) or growth"
+            )
     return Steering(vector=vector, method=settings.method, coefficient=coefficient)
 
 

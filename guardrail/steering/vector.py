@@ -17,13 +17,14 @@ import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
 from guardrail.errors import ConfigError
 from guardrail.steering.math import SteeringMethod
+from guardrail.steering.spec import FiniteNumber, SchemaVersion, SpecModel, WholeNumber
 
 __all__ = [
     "STEERING_SUFFIX",
@@ -38,6 +39,8 @@ STEERING_SUFFIX = ".steer.safetensors"
 METADATA_KEY = "guardrail_steering"
 TENSOR_NAME = "direction"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MAX_METADATA_CHARS = 1_000_000
+"""A steering file's metadata JSON above this length is refused (real ones are ~2 kB)."""
 
 
 def _relative(value: str) -> str:
@@ -46,17 +49,17 @@ def _relative(value: str) -> str:
     return value
 
 
-class SteeringBuildInfo(BaseModel):
+class SteeringBuildInfo(SpecModel):
     """How a vector was built, for audit (relative descriptions only, no absolute paths)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     dataset: str
     sha256: str = ""
-    num_pairs: int = Field(ge=0)
-    mean_difference_norm: float | None = None  # |mean(with - without)|: a scale for add_vector
+    num_pairs: WholeNumber = Field(ge=0)
+    # |mean(with - without)|: a scale for add_vector
+    mean_difference_norm: FiniteNumber | None = Field(default=None, ge=0.0)
     position: Literal["last_prompt_token"] = "last_prompt_token"
-    layer_scores: dict[int, float] = Field(default_factory=dict)  # layer -> validation metric
+    # layer -> validation metric (JSON object keys are strings: "12" is layer 12)
+    layer_scores: dict[Annotated[int, Field(ge=0)], FiniteNumber] = Field(default_factory=dict)
     selection_metric: str = ""
     tool: str = "guardrail steer build"
     notes: str = ""
@@ -64,29 +67,24 @@ class SteeringBuildInfo(BaseModel):
     _no_paths = field_validator("dataset", "notes")(_relative)
 
 
-class SteeringMetadata(BaseModel):
-    """What a steering file says about its vector; checked against the served model on load."""
+class SteeringMetadata(SpecModel):
+    """What a steering file says about its vector; checked against the served model on load.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Numbers are strict and finite: a bool, a string, NaN or infinity is a ``ConfigError``
+    naming the field, when the metadata is built and when a file is loaded.
+    """
 
-    schema_version: Literal[1] = 1
+    schema_version: SchemaVersion = 1
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     model_id: str = Field(min_length=1)
-    layer: int = Field(ge=0)
-    num_layers: int | None = Field(default=None, ge=1)
-    hidden_size: int = Field(ge=1)
+    layer: WholeNumber = Field(ge=0)
+    num_layers: WholeNumber | None = Field(default=None, ge=1)
+    hidden_size: WholeNumber = Field(ge=1)
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     method: SteeringMethod = "add_vector"
-    coefficient: float = 1.0
-    avg_proj: float
+    coefficient: FiniteNumber = 1.0
+    avg_proj: FiniteNumber
     build: SteeringBuildInfo | None = None
-
-    @field_validator("coefficient", "avg_proj")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError(f"must be finite, got {value}")
-        return value
 
 
 @dataclass(frozen=True)
@@ -195,12 +193,31 @@ class SteeringVector:
                 direction = handle.get_tensor(TENSOR_NAME)
             if METADATA_KEY not in header:
                 raise ConfigError(f"no {METADATA_KEY!r} metadata in the file header")
-            metadata = SteeringMetadata.model_validate(json.loads(header[METADATA_KEY]))
+            metadata = SteeringMetadata.model_validate(_metadata_json(header[METADATA_KEY]))
             return cls(metadata, direction)
-        except (OSError, SafetensorError, ValidationError, json.JSONDecodeError) as exc:
+        except (OSError, SafetensorError) as exc:
             raise ConfigError(f"invalid steering file {path}: {exc}") from exc
         except ConfigError as exc:
             raise ConfigError(f"invalid steering file {path}: {exc}") from exc
+
+
+def _metadata_json(text: str) -> Any:
+    """The metadata JSON of a steering file, or ``ConfigError`` saying what is wrong with it."""
+    if len(text) > MAX_METADATA_CHARS:
+        raise ConfigError(
+            f"{METADATA_KEY!r} metadata is {len(text)} characters, over the "
+            f"{MAX_METADATA_CHARS} allowed (real metadata is a few kB)"
+        )
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{METADATA_KEY!r} metadata is not valid JSON: {exc.msg} at column {exc.colno}"
+        ) from exc
+    except RecursionError:
+        raise ConfigError(f"{METADATA_KEY!r} metadata JSON is nested too deeply to read") from None
+    except ValueError as exc:  # e.g. an integer of over 4300 digits
+        raise ConfigError(f"{METADATA_KEY!r} metadata JSON cannot be read: {exc}") from exc
 
 
 def packaged_steering_vectors() -> dict[str, Path]:

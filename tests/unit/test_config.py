@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from guardrail.errors import ConfigError, HeadsDoNotFitModelError, ModelConfigNotFoundError
 from guardrail.probe.config import (
+    MAX_CONFIG_BYTES,
+    MAX_JSON_DEPTH,
     ModelProbeConfig,
     _packaged_configs,
     load_model_config,
+    model_id_matches,
     packaged_model_configs,
     read_model_config,
 )
@@ -22,6 +28,8 @@ def test_every_shipped_config_loads_and_fits_its_model(path):
     cfg = read_model_config(path)
     assert cfg.heads and cfg.num_layers and cfg.num_heads
     cfg.check_fits(cfg.num_layers, cfg.num_heads)
+    facts = {"num_layers": cfg.num_layers, "num_heads": cfg.num_heads}
+    assert cfg.check_model(cfg.model_id, facts) == []
     assert path.name == cfg.model_id.split("/")[-1] + ".json"
 
 
@@ -59,7 +67,7 @@ def test_lookup_by_id_and_by_local_directory_name():
         ),
         ({"weights": [1.0]}, "only used by probe 'logistic'"),
         ({"feature": "logit_focus"}, "only used by probe 'logistic'"),
-        ({"colour": "red"}, "Extra inputs are not permitted"),
+        ({"colour": "red"}, "unknown field 'colour': remove it .*valid fields: schema_version"),
     ],
 )
 def test_invalid_configs_name_the_problem(fields, message):
@@ -81,3 +89,270 @@ def test_a_broken_file_names_the_file(tmp_path):
     bad.write_text('{"model_id": "m"}')
     with pytest.raises(ConfigError, match=r"(?s)bad.json.*heads"):
         read_model_config(bad)
+
+
+# -- strict, finite numbers (issue "Reliability and security", item 5) -------------------------
+
+BASE = {"model_id": "m", "heads": [[0, 0]]}
+LOGISTIC = {**BASE, "probe": "logistic", "feature": "logit_focus", "weights": [1.0]}
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "what"),
+    [
+        ({**BASE, "threshold": True}, "threshold = True", "must be a number, not bool"),
+        ({**BASE, "threshold": "0.5"}, "threshold = '0.5'", "must be a number, not str"),
+        ({**BASE, "threshold": math.nan}, "threshold = nan", "must be a finite number"),
+        ({**LOGISTIC, "weights": [math.nan]}, "weights.0 = nan", "must be a finite number"),
+        ({**LOGISTIC, "bias": math.inf}, "bias = inf", "must be a finite number"),
+        ({**LOGISTIC, "bias": -math.inf}, "bias = -inf", "must be a finite number"),
+        ({**LOGISTIC, "bias": 10**400}, "bias = <an integer of 1329 bits>", "too large"),
+        ({**LOGISTIC, "weights": [False]}, "weights.0 = False", "not bool"),
+        ({**BASE, "num_layers": 30.0}, "num_layers = 30.0", "must be a whole number, not float"),
+        ({**BASE, "num_heads": "9"}, "num_heads = '9'", "must be a whole number, not str"),
+        ({**BASE, "heads": [[True, 0]]}, "heads.0.0 = True", "must be a whole number, not bool"),
+        ({**BASE, "heads": [[2**70, 0]]}, "heads.0.0 = 1180591620717411303424", "too large"),
+        ({**BASE, "schema_version": True}, "schema_version = True", "not bool"),
+        (
+            {
+                **BASE,
+                "calibration": {
+                    "dataset": "d",
+                    "num_examples": 9,
+                    "sha256": "",
+                    "thresholds": {"x": math.inf},
+                },
+            },
+            "calibration.thresholds.x = inf",
+            "finite",
+        ),
+        (
+            {**BASE, "calibration": {"dataset": "d", "num_examples": 1.5, "sha256": ""}},
+            "calibration.num_examples = 1.5",
+            "whole number",
+        ),
+    ],
+)
+def test_numbers_are_strict_and_finite_from_python_and_files(tmp_path, fields, field, what):
+    with pytest.raises(ConfigError) as built:
+        ModelProbeConfig(**fields)
+    assert isinstance(built.value, ValueError)
+    text = str(built.value)
+    assert text.startswith("invalid ModelProbeConfig: ") and field in text and what in text
+    with pytest.raises(ConfigError, match="invalid ModelProbeConfig") as validated:
+        ModelProbeConfig.model_validate(fields)
+    assert field in str(validated.value)
+    if not any(isinstance(v, float) and not math.isfinite(v) for v in _leaves(fields)):
+        path = tmp_path / "cfg.json"
+        path.write_text(json.dumps(fields, default=str))
+        with pytest.raises(ConfigError) as read:
+            read_model_config(path)
+        assert f"invalid model config {path}: " in str(read.value) and what in str(read.value)
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_json_numbers_in_a_file_name_the_field(tmp_path, token):
+    path = tmp_path / "cfg.json"
+    path.write_text('{"model_id": "m", "heads": [[0, 0]], "threshold": ' + token + "}")
+    with pytest.raises(ConfigError, match=r"threshold = .*must be a finite number"):
+        read_model_config(path)
+
+
+def test_error_says_how_to_fix_it():
+    with pytest.raises(ConfigError) as info:
+        ModelProbeConfig(**{**BASE, "threshold": True})
+    assert "write a plain number such as 0.5 (no quotes, not true/false)" in str(info.value)
+
+
+def test_numpy_and_python_numbers_are_still_accepted():
+    cfg = ModelProbeConfig(
+        model_id="m",
+        heads=[(np.int64(2), 1)],
+        probe="logistic",
+        feature="logit_focus",
+        weights=[np.float32(0.5)],
+        bias=1,
+        threshold=np.float64(0.25),
+        num_layers=np.int32(4),
+    )
+    assert cfg.heads == [(2, 1)] and cfg.bias == 1.0 and cfg.threshold == 0.25
+    assert type(cfg.num_layers) is int and type(cfg.weights[0]) is float
+    assert ModelProbeConfig.model_validate(cfg.model_dump(mode="json")) == cfg
+
+
+def test_nested_objects_with_odd_keys_are_config_errors():
+    """Nested models are validated by pydantic itself (not through ``__init__(**data)``, which
+    would raise TypeError on a non-string key)."""
+    data = {**BASE, "calibration": {1: 2, "dataset": "d", "num_examples": 1, "sha256": ""}}
+    with pytest.raises(ConfigError, match=r"calibration.1 = 1: Keys should be strings"):
+        ModelProbeConfig.model_validate(data)
+    with pytest.raises(ConfigError, match=r"1 = 1: Keys should be strings"):
+        ModelProbeConfig.model_validate({1: 2, **BASE})
+
+
+def test_sizes_must_agree_with_the_heads():
+    with pytest.raises(ConfigError, match=r"heads \[\(30, 0\)\] lie outside .*30 layers x 9 heads"):
+        ModelProbeConfig(model_id="m", heads=[(30, 0)], num_layers=30, num_heads=9)
+    with pytest.raises(ConfigError, match="num_kv_heads 4 must divide num_heads 9"):
+        ModelProbeConfig(model_id="m", heads=[(0, 0)], num_heads=9, num_kv_heads=4)
+    with pytest.raises(ConfigError, match=r"hidden_size = 0: .*greater than or equal to 1"):
+        ModelProbeConfig(model_id="m", heads=[(0, 0)], hidden_size=0)
+
+
+# -- the config's model (item 6) ---------------------------------------------------------------
+
+SMOL_FACTS = {"num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "hidden_size": 576}
+LLAMA3_8B_FACTS = {"num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "hidden_size": 4096}
+SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_shipped_smollm2_config_identifies_its_model():
+    cfg = load_model_config(SMOL)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size) == (30, 9, 3, 576)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cfg.check_model(SMOL, SMOL_FACTS) == []
+        assert cfg.check_model("/cache/models/SmolLM2-135M-Instruct-f32", SMOL_FACTS) == []
+
+
+def test_smollm2_heads_fit_llama3_8b_but_the_config_is_refused():
+    cfg = load_model_config(SMOL)
+    cfg.check_fits(32, 32)  # the old check alone lets it through
+    with pytest.raises(ConfigError) as info:
+        cfg.check_model("meta-llama/Meta-Llama-3-8B-Instruct", LLAMA3_8B_FACTS)
+    text = str(info.value)
+    assert f"probe config for {SMOL!r} was made for another model" in text
+    assert "'meta-llama/Meta-Llama-3-8B-Instruct'" in text
+    for fact in ("num_layers: config 30, served model 32", "num_heads: config 9, served model 32"):
+        assert fact in text
+    assert "num_kv_heads: config 3, served model 8" in text
+    assert "hidden_size: config 576, served model 4096" in text
+    assert "probe_config=" in text and "guardrail calibrate" in text
+
+
+def test_one_differing_size_is_enough():
+    cfg = load_model_config(SMOL)
+    with pytest.raises(ConfigError, match="hidden_size: config 576, served model 640"):
+        cfg.check_model(SMOL, {**SMOL_FACTS, "hidden_size": 640})
+
+
+def test_a_head_outside_the_served_model_is_still_heads_do_not_fit():
+    cfg = ModelProbeConfig(model_id="m", heads=[(5, 0)])
+    with pytest.raises(HeadsDoNotFitModelError, match="2 layers x 4 heads"):
+        cfg.check_model("m", {"num_layers": 2, "num_heads": 4})
+
+
+def test_model_id_mismatch_with_matching_sizes_is_a_warning():
+    cfg = load_model_config(SMOL)
+    with pytest.warns(UserWarning, match="does not match the served model 'my-org/support-bot'"):
+        problems = cfg.check_model("my-org/support-bot", SMOL_FACTS)
+    assert (
+        len(problems) == 1
+        and "num_layers, num_heads, num_kv_heads, hidden_size match" in problems[0]
+    )
+    assert f"labelled {SMOL!r}" in problems[0] and "guardrail calibrate" in problems[0]
+
+
+def test_old_configs_without_sizes_only_warn_on_the_id():
+    cfg = ModelProbeConfig(model_id="org/Tiny-1B", heads=[(0, 0)])
+    with pytest.warns(UserWarning, match="records no model sizes to compare"):
+        assert len(cfg.check_model("org/Other", LLAMA3_8B_FACTS)) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cfg.check_model("/models/tiny-1b-awq", {}) == []  # a missing fact is skipped
+
+
+@pytest.mark.parametrize(
+    ("model", "matches"),
+    [
+        (SMOL, True),
+        (SMOL.lower(), True),
+        ("/root/.cache/vllm-guardrail/models/SmolLM2-135M-Instruct-f32", True),
+        ("/models/smollm2-135m-instruct/", True),
+        ("/models/SmolLM2-360M-Instruct", False),
+        ("meta-llama/Meta-Llama-3-8B-Instruct", False),
+        ("", False),
+    ],
+)
+def test_model_id_matching_is_the_lookup_rule(model, matches):
+    assert model_id_matches(SMOL, model) is matches
+
+
+# -- reading files safely (item 5, files) ------------------------------------------------------
+
+
+def test_invalid_utf8_names_the_file_and_the_byte(tmp_path):
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'{"model_id": "caf\xe9", "heads": [[0, 0]]}')
+    with pytest.raises(ConfigError) as info:
+        read_model_config(path)
+    assert str(path) in str(info.value) and "not UTF-8 at byte 17" in str(info.value)
+    assert isinstance(info.value.__cause__, UnicodeDecodeError)
+
+
+def test_a_utf8_bom_is_accepted(tmp_path):
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(BASE).encode())
+    assert read_model_config(path).model_id == "m"
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 5000, 200_000])
+def test_deep_nesting_is_refused_before_parsing(tmp_path, depth):
+    path = tmp_path / "deep.json"
+    path.write_text('{"model_id": "m", "heads": ' + "[" * depth + "]" * depth + "}")
+    with pytest.raises(ConfigError) as info:
+        read_model_config(path)
+    assert str(path) in str(info.value)
+    assert f"nested {depth + 1} levels deep, deeper than the {MAX_JSON_DEPTH} allowed" in str(
+        info.value
+    )
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting(tmp_path):
+    path = tmp_path / "notes.json"
+    path.write_text(json.dumps({**BASE, "source": "[" * 500 + '\\"{' * 100}))
+    assert read_model_config(path).source.startswith("[[[")
+
+
+def test_oversized_files_are_refused_unread(tmp_path):
+    path = tmp_path / "huge.json"
+    with path.open("wb") as handle:
+        handle.truncate(MAX_CONFIG_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(ConfigError, match=r"huge.json is over 10 MB, the most a config may be"):
+        read_model_config(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            '{"model_id": "m", "heads": [[0, 0]]',
+            r"not valid JSON: Expecting ',' delimiter at line 1",
+        ),
+        ('{"model_id": "m", "heads": [[' + "1" * 5000 + ", 0]]}", "JSON that cannot be read"),
+        ("[1, 2]", r"value = \[1, 2\]: Input should be a valid dictionary"),
+        ("", "not valid JSON: Expecting value at line 1 column 1"),
+    ],
+)
+def test_broken_json_is_a_config_error_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "broken.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message) as info:
+        read_model_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_directory_is_not_a_config(tmp_path):
+    with pytest.raises(ConfigError, match="model config file not found"):
+        read_model_config(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -12,6 +13,7 @@ from guardrail import policies as ready
 from guardrail.errors import ConfigError
 from guardrail.policy import (
     NEVER_BY_SCORE,
+    DataPatternPolicy,
     PromptInjectionPolicy,
     Reading,
     RetrySettings,
@@ -52,12 +54,12 @@ def test_policy_is_frozen() -> None:
 
 @pytest.mark.parametrize("threshold", [-0.01, 1.01, math.inf])
 def test_threshold_outside_unit_interval_is_rejected(threshold: float) -> None:
-    with pytest.raises(ValidationError, match="threshold"):
+    with pytest.raises(ConfigError, match="threshold"):
         PromptInjectionPolicy(threshold=threshold)
 
 
 def test_unknown_field_is_rejected_naming_it() -> None:
-    with pytest.raises(ValidationError, match="thresh"):
+    with pytest.raises(ConfigError, match="unknown field 'thresh'"):
         PromptInjectionPolicy(thresh=0.3)  # type: ignore[call-arg]
 
 
@@ -77,16 +79,132 @@ def test_retry_settings_are_validated() -> None:
         {"action": "retry_with_steering", "retry": {"vector": "v", "fallback": "flag"}}
     )
     assert policy.retry.fallback is Action.FLAG and policy.retry.max_attempts == 2
-    with pytest.raises(ValidationError, match="only apply to action 'retry_with_steering'"):
+    with pytest.raises(ConfigError, match="only apply to action 'retry_with_steering'"):
         PromptInjectionPolicy(action=Action.BLOCK, retry={"vector": "v"})
     for bad in ({"fallback": "allow"}, {"max_attempts": 1}, {"max_attempts": 9}, {"x": 1}):
-        with pytest.raises(ValidationError):
+        with pytest.raises(ConfigError, match="retry"):
             PromptInjectionPolicy(action=Action.RETRY_WITH_STEERING, retry=bad)
 
 
 def test_threshold_and_offset_are_exclusive() -> None:
-    with pytest.raises(ValidationError, match="not both"):
+    with pytest.raises(ConfigError, match="not both"):
         PromptInjectionPolicy(threshold=0.5, threshold_offset=0.1)
+
+
+# -- strict, finite numbers and safe loading (issue "Reliability and security", item 5) ----------
+_RETRY = {"action": "retry_with_steering"}
+
+
+@pytest.mark.parametrize(
+    ("data", "where", "what"),
+    [
+        ({"threshold": True}, "threshold = True", "must be a number, not bool"),
+        ({"threshold": "0.5"}, "threshold = '0.5'", "must be a number, not str"),
+        ({"threshold": math.nan}, "threshold = nan", "must be a finite number"),
+        ({"threshold_offset": math.nan}, "threshold_offset = nan", "must be a finite number"),
+        ({"threshold_offset": -math.inf}, "threshold_offset = -inf", "must be a finite number"),
+        ({"shadow": "false"}, "shadow = 'false'", "write true or false"),
+        ({"shadow": 1}, "shadow = 1", "write true or false"),
+        ({**_RETRY, "retry": {"coefficient": math.nan}}, "retry.coefficient = nan", "finite"),
+        ({**_RETRY, "retry": {"coefficient": True}}, "retry.coefficient = True", "not bool"),
+        (
+            {**_RETRY, "retry": {"coefficient_growth": math.inf}},
+            "coefficient_growth = inf",
+            "finite",
+        ),
+        ({**_RETRY, "retry": {"max_attempts": 3.0}}, "max_attempts = 3.0", "whole number"),
+        ({**_RETRY, "retry": {"max_attempts": True}}, "max_attempts = True", "not bool"),
+        (
+            {"kind": "data_pattern", "patterns": ["x"], "ignore_case": "no"},
+            "ignore_case = 'no'",
+            "true or false",
+        ),
+        ({"kind": "data_pattern", "patterns": "abc"}, "patterns = 'abc'", "valid tuple"),
+    ],
+)
+def test_numbers_and_flags_are_strict_in_data_and_in_python(data, where, what) -> None:
+    with pytest.raises(ConfigError) as loaded:
+        load_policy(data)
+    text = str(loaded.value)
+    assert text.startswith("invalid policy ") and where in text and what in text
+    assert "prompt_injection." not in text and "data_pattern." not in text  # no union tag
+    kind = DataPatternPolicy if data.get("kind") == "data_pattern" else PromptInjectionPolicy
+    fields = {k: v for k, v in data.items() if k != "kind"}
+    with pytest.raises(ConfigError) as built:
+        kind(**fields)
+    assert where in str(built.value) and isinstance(built.value, ValueError)
+
+
+def test_nan_retry_coefficient_fails_when_the_policy_is_made_not_at_the_first_retry() -> None:
+    """It used to be accepted, then the first retry built ``Steering(coefficient=nan)`` and
+    raised a raw pydantic error mid-generation, after the first pass had run."""
+    with pytest.raises(ConfigError, match=r"invalid RetrySettings: coefficient = nan"):
+        RetrySettings(coefficient=math.nan)
+    with pytest.raises(ConfigError, match=r"coefficient 1e\+307 grows to inf by attempt 4"):
+        RetrySettings(coefficient=1e307, coefficient_growth=10.0, max_attempts=4)
+    assert RetrySettings(coefficient=1e300, coefficient_growth=10.0, max_attempts=4)
+
+
+@pytest.mark.parametrize("pattern", ["(" * 500 + ")" * 500, "a{99999999999}", "[unclosed", "(?P<x"])
+def test_unusable_patterns_are_config_errors(pattern: str) -> None:
+    with pytest.raises(ConfigError, match="is not a usable regular expression"):
+        load_policy({"kind": "data_pattern", "patterns": [pattern]})
+
+
+def _deep(levels: int) -> list:
+    root: list = []
+    node = root
+    for _ in range(levels):
+        node.append([])
+        node = node[0]
+    return root
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"name": _deep(100_000)},
+        {"threshold": _deep(100_000)},
+        {"retry": {"vector": _deep(100_000)}, "action": "retry_with_steering"},
+        {"kind": _deep(100_000)},
+        {"kind": "data_pattern", "patterns": [_deep(100_000)]},
+    ],
+)
+def test_deeply_nested_values_are_config_errors_not_recursion_errors(data) -> None:
+    with pytest.raises(ConfigError, match=r"\[\[\[\.\.\.\]\]\]"):
+        load_policy(data)
+
+
+def test_huge_numbers_and_odd_keys_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="threshold = <an integer of 33220 bits>: is too large"):
+        load_policy({"threshold": 10**10000})
+    with pytest.raises(ConfigError, match="Keys should be strings"):
+        load_policy({1: 2})  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match="wrap a single one"):
+        load_policies(5, 0.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="model threshold must be a finite number, got nan"):
+        PromptInjectionPolicy().effective_threshold(math.nan)
+    assert PromptInjectionPolicy().effective_threshold(np.float32(0.5)) == 0.5  # numbers still work
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"name": "a", "threshold": 0.25, "action": "flag", "shadow": True},
+        {"threshold_offset": -0.1, "on_probe_error": "fail_open"},
+        {**_RETRY, "retry": {"vector": "v", "coefficient": 2, "coefficient_growth": 1.5}},
+        {
+            "kind": "data_pattern",
+            "name": "p",
+            "patterns": ["<\\|im_start\\|>"],
+            "ignore_case": False,
+        },
+    ],
+)
+def test_a_policy_from_data_round_trips(data) -> None:
+    policy = load_policy(data)
+    assert load_policy(policy.model_dump()) == policy
+    assert load_policy(json.loads(policy.model_dump_json())) == policy
 
 
 def test_offset_moves_and_clamps_the_model_threshold() -> None:
@@ -286,6 +404,8 @@ def test_ready_made_policies_validate_and_export() -> None:
         "BLOCK_INJECTIONS",
         "DEFAULT",
         "FLAG_INJECTIONS",
+        "FORGED_TURNS",
+        "FORGED_TURN_PATTERNS",
         "MONITOR_ONLY",
         "RETRY_STEERED",
         "SHADOW_BLOCK",

@@ -3,8 +3,11 @@ the final verdict that records every attempt."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from guardrail.errors import ConfigError
 from guardrail.policy import (
     AttemptRecord,
     PromptInjectionPolicy,
@@ -78,3 +81,39 @@ def test_failed_steering_takes_the_fallback_and_says_why() -> None:
     assert "fallback: steering failed" in verdict.reason
     blocked = [AttemptRecord(_verdict(0.3)), AttemptRecord(_verdict(0.1), STEER, 10, "boom")]
     assert final_verdict(blocked, RetrySettings(fallback=Action.FLAG)).action is Action.BLOCK
+
+
+# -- strict, finite settings (issue "Reliability and security", item 5) ------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ({"coefficient": math.nan}, "coefficient = nan"),
+        ({"coefficient": math.inf}, "coefficient = inf"),
+        ({"coefficient": True}, "coefficient = True"),
+        ({"coefficient": "2"}, "coefficient = '2'"),
+        ({"coefficient_growth": math.nan}, "coefficient_growth = nan"),
+        ({"coefficient_growth": 0}, "coefficient_growth = 0"),
+        ({"max_attempts": 2.0}, "max_attempts = 2.0"),
+        ({"max_attempts": False}, "max_attempts = False"),
+        ({"vector": ""}, "vector = ''"),
+    ],
+)
+def test_bad_settings_fail_at_construction_naming_the_field(fields, where) -> None:
+    with pytest.raises(ConfigError) as info:
+        RetrySettings(**fields)
+    assert str(info.value).startswith(f"invalid RetrySettings: {where}")
+
+
+def test_every_attempt_of_valid_settings_builds_a_finite_steering() -> None:
+    settings = RetrySettings(coefficient=-1e300, coefficient_growth=10.0, max_attempts=4)
+    for attempt in (2, 3, 4):
+        coefficient = attempt_steering(settings, attempt, "v", 1.0).coefficient
+        assert coefficient is not None and math.isfinite(coefficient)
+
+
+def test_an_overflowing_file_coefficient_is_a_config_error_not_a_pydantic_one() -> None:
+    growing = RetrySettings(coefficient_growth=10.0, max_attempts=4)
+    with pytest.raises(ConfigError, match="attempt 4: steering coefficient 1e\\+307 x growth 10"):
+        attempt_steering(growing, 4, "v", 1e307)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pickle
 
 import numpy as np
@@ -12,6 +13,7 @@ from safetensors.torch import save_file
 
 from guardrail.errors import ConfigError
 from guardrail.steering import (
+    Steering,
     SteeringBuildInfo,
     SteeringMetadata,
     SteeringVector,
@@ -133,7 +135,7 @@ def test_mismatched_model_is_rejected_with_a_fix():
         ({"direction": _unit(16, 0).double()}, None, "dtype"),
         ({"direction": _unit(16, 0), "extra": torch.ones(1)}, None, "one tensor"),
         ({"direction": _unit(16, 0)}, {}, "metadata"),
-        ({"direction": _unit(16, 0)}, {"guardrail_steering": "{}"}, "Field required"),
+        ({"direction": _unit(16, 0)}, {"guardrail_steering": "{}"}, "name: required field"),
     ],
 )
 def test_invalid_files_are_rejected(tmp_path, tensors, metadata, message):
@@ -167,3 +169,93 @@ def test_every_shipped_vector_loads_and_is_documented(name):
     vec.check_model(meta.model_id, meta.hidden_size, meta.num_layers)
     header = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])
     assert "/work" not in json.dumps(header) and "/home" not in json.dumps(header)
+
+
+# -- strict, finite numbers and safe metadata (issue "Reliability and security", item 5) -------
+
+
+@pytest.mark.parametrize(
+    ("coefficient", "what"),
+    [
+        (math.nan, "coefficient = nan: must be a finite number"),
+        (-math.inf, "coefficient = -inf: must be a finite number"),
+        (True, "coefficient = True: must be a number, not bool"),
+        ("2.0", "coefficient = '2.0': must be a number, not str"),
+        (10**400, "too large for a float"),
+    ],
+)
+def test_steering_coefficient_is_strict_and_finite(coefficient, what):
+    with pytest.raises(ConfigError, match="invalid Steering: ") as built:
+        Steering(vector="v", coefficient=coefficient)
+    assert what in str(built.value) and isinstance(built.value, ValueError)
+    with pytest.raises(ConfigError, match="invalid Steering: "):
+        Steering.model_validate({"vector": "v", "coefficient": coefficient})
+    assert Steering(vector="v", coefficient=2).coefficient == 2.0
+
+
+META = {"name": "demo", "model_id": "m", "layer": 0, "hidden_size": 16, "avg_proj": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ({"coefficient": math.nan}, "coefficient = nan"),
+        ({"avg_proj": math.inf}, "avg_proj = inf"),
+        ({"avg_proj": "1.5"}, "avg_proj = '1.5'"),
+        ({"layer": True}, "layer = True"),
+        ({"layer": 1.0}, "layer = 1.0"),
+        ({"hidden_size": "16"}, "hidden_size = '16'"),
+        ({"num_layers": 2**64}, "num_layers = 18446744073709551616"),
+        ({"schema_version": True}, "schema_version = True"),
+        (
+            {"build": {"dataset": "d", "num_pairs": 1, "layer_scores": {"3": math.nan}}},
+            "build.layer_scores.3 = nan",
+        ),
+        (
+            {"build": {"dataset": "d", "num_pairs": 1, "mean_difference_norm": -1}},
+            "build.mean_difference_norm = -1",
+        ),
+        ({"build": {"dataset": "d", "num_pairs": True}}, "build.num_pairs = True"),
+    ],
+)
+def test_metadata_numbers_are_strict_in_python_and_in_files(tmp_path, fields, where):
+    with pytest.raises(ConfigError, match="invalid SteeringMetadata: ") as built:
+        SteeringMetadata(**{**META, **fields})
+    assert where in str(built.value)
+    path = tmp_path / "bad.steer.safetensors"
+    header = {"guardrail_steering": json.dumps({**META, **fields})}
+    save_file({"direction": _unit(16, 0)}, str(path), metadata=header)
+    with pytest.raises(ConfigError) as loaded:
+        SteeringVector.load(path)
+    assert f"invalid steering file {path}: invalid SteeringMetadata: " in str(loaded.value)
+    assert where in str(loaded.value)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ('{"a": ' * 100_000, "nested too deeply"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"layer": ' + "1" * 5000 + "}", "cannot be read"),
+        ("x" * 1_000_001, "over the 1000000 allowed"),
+        ("not json", "not valid JSON: Expecting value at column 1"),
+        ("[1, 2]", "Input should be a valid dictionary"),
+        (
+            '{"name": "demo", "model_id": "m", "layer": 0, "hidden_size": 16, "avg_proj": NaN}',
+            "avg_proj = nan",
+        ),
+    ],
+)
+def test_broken_metadata_json_is_a_config_error_naming_the_file(tmp_path, metadata, message):
+    path = tmp_path / "odd.steer.safetensors"
+    save_file({"direction": _unit(16, 0)}, str(path), metadata={"guardrail_steering": metadata})
+    with pytest.raises(ConfigError, match=message) as info:
+        SteeringVector.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_random_bytes_are_not_a_steering_file(tmp_path):
+    path = tmp_path / "noise.steer.safetensors"
+    path.write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(ConfigError, match="invalid steering file"):
+        SteeringVector.load(path)

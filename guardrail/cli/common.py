@@ -81,7 +81,8 @@ def open_engine(model: str, heads: Sequence[HeadKey] | str, args: argparse.Names
     from guardrail.engine import HookedLLM
 
     first: list[HeadKey] = [(0, 0)] if isinstance(heads, str) else [tuple(heads[0])]  # type: ignore[list-item]
-    placeholder = ModelProbeConfig(model_id="calibration", heads=first)  # only head_stats used
+    # Only head_stats are used; the model path as id keeps the served-model check quiet.
+    placeholder = ModelProbeConfig(model_id=str(model), heads=first)
     return HookedLLM(
         model,
         placeholder,

@@ -1,8 +1,18 @@
 """Requests with trust marked, rendered through the model's chat template into token spans.
 
 The probe needs to know which prompt tokens are the trusted instruction and which are untrusted
-data. Spans are computed on the final token ids, after the chat template, from the tokenizer's
-character offsets, never from hard-coded positions.
+data, and the text it inspects must never steer that measurement. So:
+
+- spans come from where the renderer *placed* each piece of content (the template is rendered
+  with a unique placeholder per message, and the content is put where its placeholder landed),
+  never from searching the rendered text for the content;
+- content (trusted or not) is always tokenized as text: only the template's own markup yields
+  control tokens such as ``<|im_start|>``, so data cannot forge a chat turn;
+- a ``RequestError`` describes what is wrong by position, field, type and length, never by
+  quoting the request's text.
+
+Spans are computed on the final token ids from the tokenizer's character offsets, never from
+hard-coded positions. See docs/security.md.
 
 Accepted request forms:
 - ``"plain text"``: one trusted user message (no data, so nothing to be distracted by);
@@ -19,9 +29,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import bisect
+import re
+import secrets
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -29,6 +44,14 @@ from guardrail.errors import RequestError
 
 SpanKind = Literal["instruction", "data", "other"]
 TRUSTED_ROLES = frozenset({"system", "user", "developer"})
+# Roles an error message may name; any other role is described by its length only.
+_KNOWN_ROLES = TRUSTED_ROLES | {"assistant", "tool", "document", "function", "ipython", "data"}
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\[\]]{0,39}")
+_T = TypeVar("_T")
+_SURROGATE = (
+    "a lone surrogate, which is not text (UTF-8 cannot encode it; often half of an emoji "
+    "from a broken decode): decode the input with errors='replace', or remove that character"
+)
 
 
 class Segment(BaseModel):
@@ -92,28 +115,83 @@ class PreparedPrompt:
         return sum(end - start for start, end in self.data_spans)
 
 
-def to_messages(request: RequestLike) -> list[Message]:
-    """Normalise any accepted request form to messages; ``RequestError`` says what was wrong."""
+def _where(index: int, message: Message) -> str:
+    """A message's position and role for an error message (an unusual role by its length only)."""
+    if message.role in _KNOWN_ROLES:
+        return f"message {index} (role {message.role!r})"
+    return f"message {index} (a custom role of {len(message.role)} characters)"
+
+
+def _value_type(value: Any) -> str:
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    if isinstance(value, list | tuple | dict):
+        return f"a {type(value).__name__} of length {len(value)}"
+    return f"a value of type {type(value).__name__}"
+
+
+def _validation_problem(exc: ValidationError) -> str:
+    """Pydantic's errors by field, message and input type; never the input itself."""
+    problems = []
+    for error in exc.errors(include_url=False):
+        fields = [
+            str(p)
+            if isinstance(p, int) or _FIELD_NAME.fullmatch(p)
+            else f"<a field name of {len(p)} characters>"
+            for p in error["loc"]
+        ]
+        message = str(error["msg"])
+        value = error.get("input")
+        if error["type"] == "string_unicode":
+            message = f"contains {_SURROGATE}"
+        elif isinstance(value, str) and value and value in message:
+            message = f"failed the {error['type']!r} check"
+        problems.append(f"{'.'.join(fields) or 'the value'}: {message} (got {_value_type(value)})")
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return "; ".join(problems[:3]) + more
+
+
+def _validated(where: str, build: Callable[..., _T], *args: Any) -> _T:
+    """``build(*args)``, a pydantic error turned into a ``RequestError`` that quotes no input
+    (raised outside the ``except`` block, so it carries no chained error that would)."""
     try:
-        if isinstance(request, str):
-            if not request.strip():
-                raise RequestError("empty prompt: send some text")
-            return [Message(role="user", content=request)]
-        if isinstance(request, GuardedPrompt):
-            return request.messages()
-        if isinstance(request, tuple) and len(request) == 2:
-            instruction, data = request
-            if not isinstance(instruction, str) or not isinstance(data, str):
-                raise RequestError("an (instruction, data) request needs two strings")
-            return GuardedPrompt(instruction=instruction, data=data).messages()
-        if isinstance(request, Sequence) and request and not isinstance(request, bytes):
-            return [m if isinstance(m, Message) else Message.model_validate(m) for m in request]
+        return build(*args)
     except ValidationError as exc:
-        raise RequestError(f"invalid request: {exc}") from exc
+        problem = _validation_problem(exc)
+    raise RequestError(f"invalid {where}: {problem}")
+
+
+def to_messages(request: RequestLike) -> list[Message]:
+    """Normalise any accepted request form to messages; ``RequestError`` says what was wrong (by
+    position, field, type and length: it never quotes the request's text)."""
+    if isinstance(request, str):
+        if not request.strip():
+            raise RequestError("empty prompt: send some text")
+        return [Message(role="user", content=request)]
+    if isinstance(request, GuardedPrompt):
+        return request.messages()
+    if isinstance(request, tuple) and len(request) == 2:
+        instruction, data = request
+        if not isinstance(instruction, str) or not isinstance(data, str):
+            raise RequestError(
+                "an (instruction, data) request needs two strings, got "
+                f"({type(instruction).__name__}, {type(data).__name__})"
+            )
+        return _validated("(instruction, data) request", _pair, instruction, data)
+    if isinstance(request, Sequence) and request and not isinstance(request, bytes | bytearray):
+        return [_validated(f"message {i}", _message, m) for i, m in enumerate(request)]
     raise RequestError(
         f"unsupported request of type {type(request).__name__}: send a string, an (instruction, "
         "data) tuple, a GuardedPrompt, or a non-empty list of chat messages"
     )
+
+
+def _pair(instruction: str, data: str) -> list[Message]:
+    return GuardedPrompt(instruction=instruction, data=data).messages()
+
+
+def _message(value: Any) -> Message:
+    return value if isinstance(value, Message) else Message.model_validate(value)
 
 
 def request_segments(request: RequestLike) -> tuple[Segment, ...]:
@@ -130,24 +208,331 @@ def request_segments(request: RequestLike) -> tuple[Segment, ...]:
         return ()
 
 
-def _render(messages: list[Message], tokenizer: Any) -> tuple[str, list[tuple[int, int, SpanKind]]]:
-    """Render the chat template; return the text and each segment's character range."""
-    plain = [{"role": m.role, "content": "".join(s.text for s in m.segments())} for m in messages]
-    text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-    ranges: list[tuple[int, int, SpanKind]] = []
-    cursor = 0
-    for message, rendered in zip(messages, plain, strict=True):
-        start = text.find(rendered["content"], cursor)
-        if start < 0:
+# --- the tokenizer's control tokens, and tokenizing text with none of them --------------------
+
+_Encoding = tuple[list[int], list[tuple[int, int]]]  # token ids and their character offsets
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    """What the renderer needs to know about one tokenizer (cached per tokenizer object)."""
+
+    size: int  # len(tokenizer) when this was built: a tokenizer that grew is looked at again
+    control: dict[int, str]  # id -> text of every special (control) token
+    unk_id: int | None
+    encode_text: Callable[[str], _Encoding]  # tokenize as text: special tokens not recognised
+
+
+_VOCABS: weakref.WeakKeyDictionary[Any, _Vocab] = weakref.WeakKeyDictionary()
+_VOCABS_LOCK = threading.Lock()
+
+
+def _text_encoder(tokenizer: Any) -> Callable[[str], _Encoding]:
+    """Tokenize a string as text, with no special token recognised.
+
+    A private copy of a fast tokenizer's backend with ``encode_special_tokens`` set (what
+    ``split_special_tokens=True`` does, without flipping that flag on the caller's tokenizer,
+    which other threads may be using); otherwise the tokenizer's own ``split_special_tokens``.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        text_only = type(backend).from_str(backend.to_str())
+        text_only.no_truncation()
+        text_only.no_padding()
+        text_only.encode_special_tokens = True
+
+        def encode_backend(text: str) -> _Encoding:
+            encoding = text_only.encode(text, add_special_tokens=False)
+            return list(encoding.ids), [(int(a), int(b)) for a, b in encoding.offsets]
+
+        return encode_backend
+
+    def encode_split(text: str) -> _Encoding:
+        encoded = tokenizer(
+            text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True
+        )
+        return list(encoded["input_ids"]), [(int(a), int(b)) for a, b in encoded["offset_mapping"]]
+
+    return encode_split
+
+
+def _vocab(tokenizer: Any) -> _Vocab:
+    size = len(tokenizer)
+    try:
+        cached = _VOCABS.get(tokenizer)
+    except TypeError:  # not weak-referenceable: no cache
+        cached = None
+    if cached is not None and cached.size == size:
+        return cached
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    control = {int(i): str(t.content) for i, t in added.items() if getattr(t, "special", False)}
+    names = getattr(tokenizer, "all_special_tokens", []) or []
+    ids = getattr(tokenizer, "all_special_ids", []) or []
+    for name, i in zip(names, ids, strict=False):
+        control.setdefault(int(i), str(name))
+    unk = getattr(tokenizer, "unk_token_id", None)
+    vocab = _Vocab(size, control, unk, _text_encoder(tokenizer))
+    try:
+        with _VOCABS_LOCK:
+            _VOCABS[tokenizer] = vocab
+    except TypeError:
+        pass
+    return vocab
+
+
+def control_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of ``tokenizer``'s special (control) tokens: ids content never yields.
+
+    Example:
+        >>> control_token_ids(tokenizer)  # doctest: +SKIP
+        frozenset({0, 1, 2})
+    """
+    return frozenset(_vocab(tokenizer).control)
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def _check_text(messages: list[Message], control: Iterable[str]) -> None:
+    """Refuse text the tokenizer cannot take, and roles that would forge template markup."""
+    control = [c for c in control if c]
+    for i, message in enumerate(messages):
+        pieces = [("its role", message.role)]
+        pieces += [(f"segment {j} ({s.kind})", s.text) for j, s in enumerate(message.segments())]
+        for what, text in pieces:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                position = exc.start
+            else:
+                continue
             raise RequestError(
-                f"the chat template changed the content of a {message.role!r} message (e.g. "
-                "stripped whitespace), so its tokens cannot be located; strip the content first"
+                f"{_where(i, message)}, {what}: character {position} is {_SURROGATE}"
             )
-        for segment in message.segments():
-            ranges.append((start, start + len(segment.text), segment.kind))
-            start += len(segment.text)
-        cursor = start
+        if any(c in message.role for c in control):
+            raise RequestError(
+                f"message {i}: its role contains a control token of this model's tokenizer; a "
+                "role is chat-template markup, so it must be a plain name such as 'user' or 'tool'"
+            )
+
+
+def _template(tokenizer: Any, messages: list[Message], contents: list[str]) -> str:
+    chat = [{"role": m.role, "content": c} for m, c in zip(messages, contents, strict=True)]
+    return str(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+def _placeholders(messages: list[Message]) -> list[str]:
+    """One unique string per message, absent from every role and content (random hex between
+    private-use characters, which no template contains)."""
+    texts = [m.role for m in messages] + [s.text for m in messages for s in m.segments()]
+    while True:
+        tag = secrets.token_hex(8)
+        if not any(tag in text for text in texts):
+            return [f"\ue000{tag}.{i}\ue001" for i in range(len(messages))]
+
+
+def _render_skeleton(messages: list[Message], tokenizer: Any, holders: list[str]) -> str:
+    """The template rendered with placeholders: its errors can quote no content."""
+    try:
+        return _template(tokenizer, messages, holders)
+    except Exception as exc:  # a template raises whatever it likes (jinja2 TemplateError, ...)
+        failure = type(exc).__name__
+        detail = str(exc)
+        for i, holder in enumerate(holders):
+            detail = detail.replace(holder, f"<content of message {i}>")
+        known = all(m.role in _KNOWN_ROLES for m in messages)
+        detail = f": {detail[:300]}" if known and detail else ""
+    roles = [m.role if m.role in _KNOWN_ROLES else "<custom>" for m in messages]
+    raise RequestError(
+        f"the model's chat template refused these messages ({failure}{detail}); roles in order: "
+        f"{roles}. Check the roles and their order (many templates need alternating user and "
+        "assistant turns, or allow only one system message, first)"
+    )
+
+
+def _render(messages: list[Message], tokenizer: Any) -> tuple[str, list[tuple[int, int, SpanKind]]]:
+    """Render the chat template; return the text and each segment's character range.
+
+    The template is rendered once with a unique placeholder in place of each message's content;
+    each content is then put where its placeholder landed, and its segments' ranges recorded as
+    they are placed (never found by searching the text). The result must equal the template
+    rendered with the real contents, or the request is refused.
+    """
+    contents = ["".join(s.text for s in m.segments()) for m in messages]
+    holders = _placeholders(messages)
+    skeleton = _render_skeleton(messages, tokenizer, holders)
+    placed: list[tuple[int, int]] = []
+    for i, (message, holder) in enumerate(zip(messages, holders, strict=True)):
+        count = skeleton.count(holder)
+        if count == 0:
+            raise RequestError(
+                f"the chat template drops or rewrites the content of {_where(i, message)}, so "
+                "its tokens cannot be located: if this model's template leaves out that role or "
+                "position, merge the message into a neighbouring one or change its role; if it "
+                "rewrites content, use a template that inserts content unchanged"
+            )
+        if count > 1:
+            raise RequestError(
+                f"the chat template repeats the content of {_where(i, message)} ({count} "
+                "times), so its tokens cannot be located: send that content in a message this "
+                "template renders once"
+            )
+        placed.append((skeleton.index(holder), i))
+    parts: list[str] = []
+    ranges: list[tuple[int, int, SpanKind]] = []
+    cursor = length = 0
+    for at, i in sorted(placed):
+        parts.append(skeleton[cursor:at])
+        length += at - cursor
+        for segment in messages[i].segments():
+            ranges.append((length, length + len(segment.text), segment.kind))
+            length += len(segment.text)
+        parts.append(contents[i])
+        cursor = at + len(holders[i])
+    parts.append(skeleton[cursor:])
+    text = "".join(parts)
+    _check_same_as_template(messages, tokenizer, contents, text)
     return text, ranges
+
+
+def _check_same_as_template(
+    messages: list[Message], tokenizer: Any, contents: list[str], text: str
+) -> None:
+    """Refuse a rendering (content put in place of placeholders) that is not what the template
+    renders with the real content: the template transforms content or depends on it."""
+    try:
+        real = _template(tokenizer, messages, contents)
+    except Exception as exc:  # the template's message could quote the content: not kept
+        real = None
+        failure = type(exc).__name__
+    if real is None:
+        raise RequestError(
+            f"the chat template failed on the messages' content ({failure}) but not on "
+            "placeholders: it inspects or transforms content, so content tokens cannot be "
+            "located; use a template that inserts message content unchanged"
+        )
+    if real != text:
+        padded = [i for i, c in enumerate(contents) if c != c.strip()]
+        if padded:
+            where = _where(padded[0], messages[padded[0]])
+            raise RequestError(
+                f"the chat template changed the content of {where} "
+                "(e.g. stripped whitespace), so its tokens cannot be located; strip leading and "
+                "trailing whitespace from the content first"
+            )
+        raise RequestError(
+            "the chat template does not insert message content unchanged (it rewrites it, or "
+            "renders differently depending on it), so content tokens cannot be located; use a "
+            "template that inserts message content as it is"
+        )
+
+
+# --- tokenizing --------------------------------------------------------------------------------
+
+
+def _merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, merged, non-empty character ranges."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _overlaps(ranges: list[tuple[int, int]], starts: list[int], lo: int, hi: int) -> bool:
+    """Whether [lo, hi) meets one of the sorted disjoint ``ranges`` (``starts``: their starts)."""
+    k = bisect.bisect_left(starts, hi) - 1
+    return hi > lo and k >= 0 and ranges[k][1] > lo
+
+
+def _encode_whole(tokenizer: Any, text: str) -> _Encoding:
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(encoded["input_ids"])
+        offsets = [tuple(o) for o in encoded["offset_mapping"]]
+    except Exception as exc:  # the tokenizer's message could quote the text: not kept
+        failure = type(exc).__name__
+    else:
+        return ids, offsets
+    raise RequestError(
+        f"the tokenizer could not encode the rendered request ({failure}); if every request "
+        "fails this way, the tokenizer is the problem (a fast tokenizer with offsets is needed)"
+    )
+
+
+def _is_control(vocab: _Vocab, text: str, token: int, lo: int, hi: int) -> bool:
+    """Whether ``token`` (covering ``text[lo:hi]``) is a control token; an unknown-character
+    token is not one unless it spells the unknown token's string."""
+    name = vocab.control.get(token)
+    return name is not None and (token != vocab.unk_id or name in text[lo:hi])
+
+
+def _forged(vocab: _Vocab, text: str, content: list[tuple[int, int]], encoding: _Encoding) -> bool:
+    """Whether a control token of ``encoding`` lies (even partly) in ``content``."""
+    starts = [lo for lo, _ in content]
+    ids, offsets = encoding
+    return any(
+        _is_control(vocab, text, ids[i], *offsets[i]) and _overlaps(content, starts, *offsets[i])
+        for i in [i for i, token in enumerate(ids) if token in vocab.control]
+    )
+
+
+def _encode_content_as_text(
+    tokenizer: Any, text: str, content: list[tuple[int, int]], whole: _Encoding
+) -> _Encoding:
+    """``text`` split at the template's own control tokens (those of ``whole``, its usual
+    encoding, that lie outside ``content``), each piece between them tokenized as text.
+
+    This is what a fast tokenizer does inside anyway (split on special tokens, then tokenize each
+    piece on its own), except that content's special strings are not recognised: on byte-level
+    BPE tokenizers (the tests' and SmolLM2's) it gives the usual ids for ordinary text.
+    """
+    vocab = _vocab(tokenizer)
+    starts = [lo for lo, _ in content]
+    markup = [
+        (token, lo, hi)
+        for token, (lo, hi) in zip(*whole, strict=True)
+        if token in vocab.control
+        and _is_control(vocab, text, token, lo, hi)
+        and not _overlaps(content, starts, lo, hi)
+    ]
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    cursor = 0
+    for token, lo, hi in [*markup, (-1, len(text), len(text))]:
+        if lo > cursor:
+            piece_ids, piece_offsets = vocab.encode_text(text[cursor:lo])
+            ids += piece_ids
+            offsets += [(a + cursor, b + cursor) for a, b in piece_offsets]
+        if token != -1:
+            ids.append(token)
+            offsets.append((lo, hi))
+            cursor = hi
+    return ids, offsets
+
+
+def _tokenize(tokenizer: Any, text: str, content: list[tuple[int, int]]) -> _Encoding:
+    """Token ids and offsets of ``text`` where only the template's markup (outside ``content``)
+    yields control tokens.
+
+    The whole text is tokenized as before (the shipped configs were calibrated on exactly these
+    ids); only when a control token lies in content (content that spells ``<|im_end|>``, say) is
+    the content tokenized again as text (``_encode_content_as_text``).
+    """
+    vocab = _vocab(tokenizer)
+    whole = _encode_whole(tokenizer, text)
+    if not _forged(vocab, text, content, whole):
+        return whole
+    encoding = _encode_content_as_text(tokenizer, text, content, whole)
+    if _forged(vocab, text, content, encoding):
+        raise RequestError(
+            "the content holds a control token of this model's tokenizer that the tokenizer "
+            "cannot encode as plain text; remove chat-template control strings from the content "
+            "(the FORGED_TURNS policy refuses such data)"
+        )
+    return encoding
 
 
 def _runs(flags: list[bool]) -> list[tuple[int, int]]:
@@ -162,6 +547,20 @@ def _runs(flags: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
+def _token_kinds(
+    offsets: list[tuple[int, int]], ranges: list[tuple[int, int, SpanKind]]
+) -> list[SpanKind]:
+    """Each token's kind: that of the segment holding its last character ("other" if none)."""
+    placed = sorted((lo, hi, kind) for lo, hi, kind in ranges if hi > lo)
+    starts = [lo for lo, _, _ in placed]
+    kinds: list[SpanKind] = []
+    for start, end in offsets:
+        k = bisect.bisect_right(starts, end - 1) - 1
+        inside = end > start and k >= 0 and placed[k][1] > end - 1
+        kinds.append(placed[k][2] if inside else "other")
+    return kinds
+
+
 def prepare_prompt(
     request: RequestLike, tokenizer: Any, max_tokens: int | None = None
 ) -> PreparedPrompt:
@@ -169,6 +568,8 @@ def prepare_prompt(
 
     A token belongs to the segment that holds its last character (byte-level BPE glues a
     leading space to the next word, so a token straddling a boundary belongs to the word).
+    Content never yields a control token; a request that cannot be rendered safely raises
+    ``RequestError`` (whose message never quotes the request's text).
 
     Example:
         >>> p = prepare_prompt(("Translate to French.", "Hello"), tokenizer)  # doctest: +SKIP
@@ -176,14 +577,14 @@ def prepare_prompt(
         [(17, 18)]
     """
     messages = to_messages(request)
+    _check_text(messages, _vocab(tokenizer).control.values())
     if not any(s.text.strip() for m in messages for s in m.segments() if s.kind == "instruction"):
         raise RequestError(
             "the request has no trusted instruction text: add a system or user "
             "message, or an instruction"
         )
     text, ranges = _render(messages, tokenizer)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    token_ids = list(encoded["input_ids"])
+    token_ids, offsets = _tokenize(tokenizer, text, _merged((lo, hi) for lo, hi, _ in ranges))
     if not token_ids:
         raise RequestError("the request rendered to zero tokens")
     if max_tokens is not None and len(token_ids) >= max_tokens:
@@ -192,15 +593,7 @@ def prepare_prompt(
             f"{max_tokens} tokens (max_model_len), leaving no room to generate: shorten the "
             "data or start the engine with a larger max_model_len"
         )
-    kinds: list[SpanKind] = []
-    for start, end in encoded["offset_mapping"]:
-        last = end - 1 if end > start else start
-        kind: SpanKind = "other"
-        for lo, hi, k in ranges:
-            if lo <= last < hi and end > start:
-                kind = k
-                break
-        kinds.append(kind)
+    kinds = _token_kinds(offsets, ranges)
     return PreparedPrompt(
         token_ids=token_ids,
         instruction_spans=_runs([k == "instruction" for k in kinds]),

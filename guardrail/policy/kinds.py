@@ -223,17 +223,20 @@ class DataPatternPolicy(ConfigModel):
         return self
 
     @cached_property
-    def _compiled(self) -> re.Pattern[str]:
+    def _compiled(self) -> tuple[re.Pattern[str], ...]:
         flags = re.IGNORECASE if self.ignore_case else 0
-        return re.compile("|".join(f"(?:{p})" for p in self.patterns), flags)
+        return tuple(re.compile(p, flags) for p in self.patterns)
 
-    def match(self, segments: Sequence[Segment]) -> str | None:
-        """The first match in the untrusted segments, or None."""
+    def match(self, segments: Sequence[Segment]) -> int | None:
+        """The index of the first pattern found in the untrusted segments, or None.
+
+        The index, never the matched text: a verdict's reason must not carry request text.
+        """
         for segment in segments:
             if segment.kind == "data":
-                found = self._compiled.search(segment.text)
-                if found is not None:
-                    return found.group(0)
+                for index, pattern in enumerate(self._compiled):
+                    if pattern.search(segment.text) is not None:
+                        return index
         return None
 
     def effective_threshold(self, model_threshold: float | None) -> None:
@@ -244,7 +247,7 @@ class DataPatternPolicy(ConfigModel):
         """This policy's decision on one reading (pure; the probe's outcome does not matter)."""
         found = self.match(reading.segments)
         action = Action.ALLOW if found is None else self.action
-        reason = "no pattern in the data" if found is None else f"data matches {found[:40]!r}"
+        reason = "no pattern in the data" if found is None else f"data matches pattern #{found}"
         return PolicyDecision(
             policy=self.name,
             action=action,

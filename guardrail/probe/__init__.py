@@ -22,6 +22,7 @@ from guardrail.probe.prompts import (
     PreparedPrompt,
     RequestLike,
     Segment,
+    control_token_ids,
     mark_untrusted,
     prepare_prompt,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "PreparedPrompt",
     "RequestLike",
     "Segment",
+    "control_token_ids",
     "load_model_config",
     "mark_untrusted",
     "packaged_model_configs",

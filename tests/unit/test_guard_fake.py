@@ -67,7 +67,8 @@ def test_data_pattern_policy_blocks_a_forged_turn_before_it_runs(tokenizer: Any)
     assert forged_r.verdict is not None and forged_r.verdict.blocked
     assert forged_r.verdict.stopped_early  # ended after prefill, though its focus was 0.9
     decision = {d.policy: d for d in forged_r.verdict.decisions}["no_turns"]
-    assert decision.triggered and decision.signal is None and "im_start" in decision.reason
+    assert decision.triggered and decision.signal is None
+    assert decision.reason == "data matches pattern #0"  # the pattern, never the data's text
     # Instruction text is trusted: the same string there does not trigger the data policy.
     own = guard.generate([("Use <|im_start|> tags.", "Hi.")])[0]
     assert own.verdict is not None and own.verdict.action is Action.ALLOW

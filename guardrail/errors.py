@@ -9,6 +9,8 @@ Errors a user can fix by changing an argument or a file also subclass ``ValueErr
     ├── RequestError (ValueError)           one request is malformed (empty, too long, ...)
     ├── ModelUnavailableError               the embedded model's package or tools are missing
     ├── EngineNotGuardableError             the engine runs in a mode where the probe cannot fire
+    ├── EngineDeadError                     the engine's processes died; carries fail-closed results
+    │   └── EngineClosedError               the engine was closed before the call
     └── PromptInjectionBlocked              a policy blocked the request; carries the verdict
 """
 
@@ -43,6 +45,25 @@ class ModelUnavailableError(GuardrailError):
 
 class EngineNotGuardableError(GuardrailError):
     """The engine runs in a configuration where the probe cannot fire; refusing to run unguarded."""
+
+
+class EngineDeadError(GuardrailError):
+    """The engine cannot answer: its engine-core or worker process died (unrecoverable; start a
+    new engine). Raised within seconds of the death, by the call that was running and by every
+    later call.
+
+    ``results`` is None when raised by ``HookedLLM``. ``GuardedLLM`` sets it to one result per
+    request of the batch: the ones it could not answer carry a fail-closed (block) verdict and
+    this error, never generated text (docs/reliability.md).
+    """
+
+    def __init__(self, message: str, results: Any = None) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+class EngineClosedError(EngineDeadError):
+    """The engine was closed (``close()``, or at interpreter exit) before the call."""
 
 
 class PromptInjectionBlocked(GuardrailError):

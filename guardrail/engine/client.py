@@ -22,14 +22,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from guardrail.engine.types import ProbeResult
-from guardrail.errors import ConfigError
+from guardrail.engine.types import ProbeResult, per_request
+from guardrail.errors import ConfigError, GuardrailError, RequestError
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt
 from guardrail.probe.scoring import HeadKey, head_focus
 from guardrail.protocol import PROBE_ARG, ProbeResultData, ProbeSpec
 
-__all__ = ["ProbeClient", "check_probe_keys"]
+__all__ = ["ProbeClient", "check_probe_keys", "checked_probe_keys"]
 
 
 def check_probe_keys(keys: Sequence[str | None]) -> None:
@@ -40,6 +40,42 @@ def check_probe_keys(keys: Sequence[str | None]) -> None:
             "probe_keys must be distinct non-empty strings (or None for a fresh "
             "key), one per request"
         )
+
+
+def checked_probe_keys(
+    probe_keys: Sequence[str | None] | None, n: int, errors: dict[int, GuardrailError]
+) -> list[str | None]:
+    """One probe key (or None: a fresh one) per request. An entry that is not a non-empty
+    string, or repeats an earlier key, fails its own request alone (``errors[index]``, and None
+    in its place); anything but a list fails the call.
+
+    Example:
+        >>> errors = {}
+        >>> checked_probe_keys(["a", None, 3, "a", ""], 5, errors)
+        ['a', None, None, None, None]
+        >>> sorted(errors)
+        [2, 3, 4]
+    """
+    if probe_keys is not None and (
+        isinstance(probe_keys, str) or not isinstance(probe_keys, Sequence)
+    ):
+        raise ConfigError("probe_keys must be a list with one key (or None) per request")
+    keys = per_request(probe_keys, n, "probe_keys")
+    seen: set[str] = set()
+    for i, key in enumerate(keys):
+        problem = None
+        if key is None:
+            continue
+        if not isinstance(key, str) or not key:
+            problem = "must be a non-empty string (or None for a fresh key)"
+        elif key in seen:
+            problem = "is used twice in this call; keys must be distinct"
+        if problem is None:
+            seen.add(key)
+        else:
+            errors.setdefault(i, RequestError(f"request {i}: probe key {key!r} {problem}"))
+            keys[i] = None
+    return keys
 
 
 class ProbeClient:

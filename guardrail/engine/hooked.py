@@ -17,16 +17,25 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from guardrail.engine.client import ProbeClient, check_probe_keys
+from guardrail.engine.client import ProbeClient, checked_probe_keys
 from guardrail.engine.steering import ResolvedSteering, SteeringClient
-from guardrail.engine.types import GuardedOutput, ProbeResult, per_request
-from guardrail.errors import ConfigError, EngineNotGuardableError, GuardrailError
+from guardrail.engine.types import (
+    STOP_IS,
+    GuardedOutput,
+    ProbeResult,
+    is_stop_value,
+    per_request,
+    per_request_checked,
+)
+from guardrail.engine.vllm_client import EngineHandle, abort_unfinished
+from guardrail.errors import ConfigError, EngineNotGuardableError, GuardrailError, RequestError
 from guardrail.probe.config import ModelProbeConfig, resolve_config
 from guardrail.probe.prompts import PreparedPrompt, RequestLike, prepare_prompt
 from guardrail.probe.scoring import HeadKey
@@ -41,7 +50,7 @@ from guardrail.protocol import (
     ModelInfo,
 )
 from guardrail.steering import SteeringVector
-from guardrail.steering.spec import SteeringLike
+from guardrail.steering.spec import Steering, SteeringLike
 
 __all__ = ["GuardedOutput", "HookedLLM", "ProbeResult", "per_request"]
 
@@ -66,6 +75,10 @@ def _refuse_full_cudagraph(info: ModelInfo) -> None:
         )
 
 
+FINALIZE_LOCK_WAIT_S = 30.0
+"""At garbage collection or interpreter exit, how long closing waits for a running call."""
+
+
 class HookedLLM:
     """A ``vllm.LLM`` with the guardrail probe installed in its workers (a ``GuardEngine``).
 
@@ -74,6 +87,18 @@ class HookedLLM:
     the model; ``probe_heads`` overrides which heads are scored ("all" scores every head of
     every layer, for calibration). Other keyword arguments go to ``vllm.LLM`` unchanged.
     Steering (``load_steering_vector``, ``generate(steering=...)``) needs ``enforce_eager=True``.
+
+    Threads: one engine runs one call at a time. Calls from several threads are serialised by
+    a per-engine lock (a second caller waits for the first call to finish), and that covers
+    everything that talks to the engine: ``generate``, ``score``, steering and capture,
+    ``set_probe_faults`` and ``close``. To batch many callers, send them through
+    ``guardrail.guard.batcher.batcher_for``. ``llm`` is the raw ``vllm.LLM``: calls made on it
+    directly are not serialised.
+
+    Failures: if an engine process dies, the running call and every later one raise
+    ``EngineDeadError`` within about a second; a closed engine raises ``EngineClosedError``.
+    ``close()`` is idempotent, runs on its own for engines nobody closed (when collected, or at
+    interpreter exit), and leaves no engine process or shared memory behind.
     """
 
     def __init__(
@@ -99,23 +124,45 @@ class HookedLLM:
         from vllm import LLM
 
         processors = [*(engine_kwargs.pop("logits_processors", None) or []), STOP_PROCESSOR]
-        self.llm: Any = LLM(
+        self._handle = EngineHandle()
+        self._finalizer = weakref.finalize(self, self._handle.close, FINALIZE_LOCK_WAIT_S)
+        self._handle.llm = llm = LLM(
             model=self.model,
             worker_extension_cls=WORKER_EXTENSION,
             logits_processors=processors,
             **engine_kwargs,
         )
-        try:
+        try:  # from here on, any failure or Ctrl-C closes the engine before propagating
+            self._handle.watch()
+            self._tokenizer = llm.get_tokenizer()
+            self._max_model_len = llm.llm_engine.model_config.max_model_len
             self._install(probe_heads)
         except BaseException:
             self.close()
             raise
 
+    @property
+    def llm(self) -> Any:
+        """The raw ``vllm.LLM`` (None once closed). Calls on it bypass the engine lock."""
+        return self._handle.llm
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """The engine's process ids (engine core and workers; empty for an in-process engine)."""
+        supervisor = self._handle.supervisor
+        return [] if supervisor is None else supervisor.pids
+
+    def _engine_call(self) -> contextlib.AbstractContextManager[Any]:
+        """Hold the engine for one call (``EngineHandle.call``): yields the ``vllm.LLM``."""
+        return self._handle.call()
+
     def _install(self, probe_heads: Sequence[HeadKey] | str | None) -> None:
-        info: ModelInfo = self.llm.collective_rpc(RPC_MODEL_INFO)[0]
+        with self._engine_call() as llm:
+            info: ModelInfo = llm.collective_rpc(RPC_MODEL_INFO)[0]
         self.model_info = info
         _refuse_full_cudagraph(info)
         self.config.check_fits(info["num_layers"], info["num_heads"])
+        self.config.check_model(self.model, info)  # sizes must match; another id warns
         if probe_heads == "all":
             heads = [
                 (lay, h) for lay in range(info["num_layers"]) for h in range(info["num_heads"])
@@ -131,11 +178,14 @@ class HookedLLM:
         self.probe = ProbeClient(
             self.config, tp_size=info["tp_size"], stop_token=self.tokenizer.eos_token_id
         )
-        self.steering = SteeringClient(self.llm, self.config.model_id, info, self.prepare)
+        serial = self._handle.serial_llm(self.tokenizer)
+        self.steering = SteeringClient(serial, self.config.model_id, info, self.prepare)
         try:
-            self.llm.collective_rpc(
-                RPC_INSTALL, args=([list(h) for h in heads], self.config.model_dump(mode="json"))
-            )
+            with self._engine_call() as llm:
+                llm.collective_rpc(
+                    RPC_INSTALL,
+                    args=([list(h) for h in heads], self.config.model_dump(mode="json")),
+                )
         except ValueError as exc:
             raise EngineNotGuardableError(str(exc)) from exc
         self._self_test()
@@ -165,12 +215,12 @@ class HookedLLM:
 
     @property
     def tokenizer(self) -> Any:
-        return self.llm.get_tokenizer()
+        return self._tokenizer
 
     def prepare(self, request: RequestLike) -> PreparedPrompt:
         """Render one request into token ids and spans (raises ``RequestError`` if invalid)."""
-        max_len = self.llm.llm_engine.model_config.max_model_len
-        return prepare_prompt(request, self.tokenizer, max_tokens=max_len)
+        with self._handle.lock:  # the tokenizer is not safe to share between threads
+            return prepare_prompt(request, self.tokenizer, max_tokens=self._max_model_len)
 
     def generate(
         self,
@@ -188,36 +238,57 @@ class HookedLLM:
         ``stop_below`` (one value or one per request) ends a request right after its prefill,
         inside the engine, when its focus is at or below the value (or, with
         ``stop_on_probe_error``, when the probe failed): it decodes a single stop token and
-        no more. An invalid request gets an output with ``error`` set and is not sent to the
-        engine; the others are answered. A request whose score did not come back has
-        ``probe.error`` set. ``probe_keys`` (one per request, None for a fresh uuid) chooses the
-        key a request's score travels under, e.g. to aim ``set_probe_faults`` at one request.
-        ``steering`` (one value or one per request, None = unsteered) steers requests with a
-        loaded vector; their output's ``steering`` report says how many positions were steered,
-        or why steering failed.
+        no more. An invalid request, or an invalid entry of a per-request list (sampling params,
+        ``stop_below``, ``stop_on_probe_error``, ``probe_keys``, ``steering``), gets an output
+        with ``error`` set naming its index, and is not sent; the others are answered. A request
+        whose score did not come back has ``probe.error`` set. ``probe_keys`` (one per request,
+        None for a fresh uuid) chooses the key a request's score travels under, e.g. to aim
+        ``set_probe_faults`` at one request. ``steering`` (one value or one per request, None =
+        unsteered) steers requests with a loaded vector; their output's ``steering`` report says
+        how many positions were steered, or why steering failed. Raises ``EngineDeadError`` when
+        the engine dies (see the class docstring).
         """
-        from vllm.inputs import TokensPrompt
-
         if isinstance(requests, str | tuple):
             raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
         n = len(requests)
-        params = self._per_request_params(sampling_params, n)
-        stops = per_request(stop_below, n, "stop_below")
-        on_error = per_request(stop_on_probe_error, n, "stop_on_probe_error")
-        chosen_keys = per_request(probe_keys, n, "probe_keys")
-        check_probe_keys(chosen_keys)
-        steer = self.steering.plan(steering, n)
+        errors: dict[int, GuardrailError] = {}
+        params = self._per_request_params(sampling_params, n, errors)
+        stops = per_request_checked(stop_below, n, "stop_below", is_stop_value, STOP_IS, errors)
+        on_error = per_request_checked(
+            stop_on_probe_error, n, "stop_on_probe_error", _is_bool, "True or False", errors
+        )
+        keys = checked_probe_keys(probe_keys, n, errors)
+        with self._engine_call() as llm:
+            steer = self._steering_plan(steering, n, errors)
+            return self._run(llm, requests, params, stops, on_error, keys, steer, errors, use_tqdm)
+
+    def _run(
+        self,
+        llm: Any,
+        requests: Sequence[RequestLike],
+        params: list[Any],
+        stops: list[Any],
+        on_error: list[Any],
+        keys: list[Any],
+        steer: list[ResolvedSteering | None],
+        errors: dict[int, GuardrailError],
+        use_tqdm: bool,
+    ) -> list[GuardedOutput]:
+        from vllm.inputs import TokensPrompt
+
         steered: dict[str, ResolvedSteering] = {}
-        outputs: list[GuardedOutput | None] = [None] * n
+        outputs: list[GuardedOutput | None] = [None] * len(requests)
         prompts, batch_params, sent = [], [], []
         for i, request in enumerate(requests):
             try:
+                if i in errors:
+                    raise errors[i]
                 prepared = self.prepare(request)
-            except GuardrailError as exc:
+                key = keys[i] or uuid.uuid4().hex
+                spec = self.probe.spec(prepared, key, params[i], stops[i], bool(on_error[i]))
+            except GuardrailError as exc:  # this request alone fails
                 outputs[i] = GuardedOutput(index=i, prompt=None, error=exc)
                 continue
-            key = chosen_keys[i] or uuid.uuid4().hex
-            spec = self.probe.spec(prepared, key, params[i], stops[i], bool(on_error[i]))
             batch_params.append(self.probe.attach(params[i], spec))
             prompt = TokensPrompt(prompt_token_ids=prepared.token_ids)
             resolved = steer[i]
@@ -228,11 +299,16 @@ class HookedLLM:
             prompts.append(prompt)
             sent.append((i, prepared, key))
         if sent:
+            sent_keys = [k for *_, k in sent]
             try:
-                results = self.llm.generate(prompts, batch_params, use_tqdm=use_tqdm)
-            finally:  # pop even on failure: a reused key must never find a stale score
-                per_rank = self.llm.collective_rpc(RPC_POP_RESULTS, args=([k for *_, k in sent],))
-                reports = self.steering.reports(steered)
+                results = llm.generate(prompts, batch_params, use_tqdm=use_tqdm)
+            except BaseException:
+                self._after_failed_generate(llm, sent_keys, steered)
+                raise
+            # pop right away: a reused key must never find a stale score
+            per_rank = llm.collective_rpc(RPC_POP_RESULTS, args=(sent_keys,))
+            reports = self.steering.reports(steered)
+            _check_order(sent, results)
             for (i, prepared, key), result in zip(sent, results, strict=True):
                 completion = result.outputs[0]
                 outputs[i] = GuardedOutput(
@@ -247,18 +323,65 @@ class HookedLLM:
                 )
         return [o for o in outputs if o is not None]
 
+    def _after_failed_generate(
+        self, llm: Any, keys: list[str], steered: Mapping[str, ResolvedSteering]
+    ) -> None:
+        """A failed or interrupted batch must leave nothing behind for the next call: abort its
+        unfinished requests, pop its results and reports. Never masks the original error."""
+        if self._handle.dead:
+            return
+        with contextlib.suppress(Exception):
+            abort_unfinished(llm)
+            llm.collective_rpc(RPC_POP_RESULTS, args=(keys,))
+            self.steering.reports(steered)
+
     def score(self, requests: Sequence[RequestLike]) -> list[GuardedOutput]:
         """Run the probe alone: prefill plus one sampled token, no text worth reading."""
         return self.generate(requests, self.sampling(max_tokens=1))
 
-    def _per_request_params(self, sampling_params: Any, n: int) -> list[Any]:
+    # -- per-request arguments -------------------------------------------------------------------
+    def _per_request_params(
+        self, sampling_params: Any, n: int, errors: dict[int, GuardrailError]
+    ) -> list[Any]:
+        from vllm import SamplingParams
+
         if sampling_params is None:
             return [self.sampling(max_tokens=64)] * n
-        return per_request(sampling_params, n, "sampling params")
+        expected = (
+            "a vllm.SamplingParams (one for all requests, one per request, or None for the "
+            "defaults)"
+        )
+        valid = lambda p: isinstance(p, SamplingParams)  # noqa: E731
+        return per_request_checked(sampling_params, n, "sampling params", valid, expected, errors)
+
+    def _steering_plan(
+        self,
+        steering: SteeringLike | Sequence[SteeringLike | None] | None,
+        n: int,
+        errors: dict[int, GuardrailError],
+    ) -> list[ResolvedSteering | None]:
+        """One value for all requests is checked as a whole (a bad one fails the call); a bad
+        entry of a list fails its own request."""
+        if steering is None or isinstance(steering, str | Steering | Mapping):
+            return self.steering.plan(steering, n)
+        if not isinstance(steering, Sequence) or len(steering) != n:
+            raise ConfigError(
+                f"steering must be one value, or a list with one value (or None) per request: "
+                f"{n} requests"
+            )
+        plan: list[ResolvedSteering | None] = []
+        for i, entry in enumerate(steering):
+            try:
+                plan.append(None if entry is None else self.steering.plan([entry], 1)[0])
+            except (ConfigError, EngineNotGuardableError) as exc:
+                errors.setdefault(i, RequestError(f"request {i}: steering: {exc}"))
+                plan.append(None)
+        return plan
 
     def set_probe_faults(self, keys: Sequence[str]) -> None:
         """Testing hook: make the probe fail for requests whose probe key is in ``keys``."""
-        self.llm.collective_rpc(RPC_SET_FAULTS, args=(list(keys),))
+        with self._engine_call() as llm:
+            llm.collective_rpc(RPC_SET_FAULTS, args=(list(keys),))
 
     # -- steering (the ``steering`` component; these are its public face) -----------------------
     @property
@@ -268,11 +391,13 @@ class HookedLLM:
 
     def load_steering_vector(self, vector: str | Path | SteeringVector) -> SteeringVector:
         """Validate a vector against the served model and load it in the workers (by name)."""
-        return self.steering.load(vector)
+        with self._handle.lock:
+            return self.steering.load(vector)
 
     def unload_steering_vector(self, name: str | None = None) -> None:
         """Remove one vector (or all, with None)."""
-        self.steering.unload(name)
+        with self._handle.lock:
+            self.steering.unload(name)
 
     @contextlib.contextmanager
     def steering_vector(self, vector: str | Path | SteeringVector) -> Iterator[SteeringVector]:
@@ -287,27 +412,41 @@ class HookedLLM:
         steering: SteeringLike | Sequence[SteeringLike | None] | None = None,
     ) -> list[list[float]]:
         """Teacher-forced log-probabilities of continuations (``SteeringClient``)."""
-        return self.steering.continuation_logprobs(requests, continuations, steering)
+        with self._handle.lock:  # one call: its steering reports are popped before another runs
+            return self.steering.continuation_logprobs(requests, continuations, steering)
 
     def capture_residuals(
         self, requests: Sequence[RequestLike], layers: Sequence[int]
     ) -> list[dict[int, torch.Tensor]]:
         """The residual stream at each request's last prompt token (``SteeringClient``)."""
-        return self.steering.capture_residuals(requests, layers)
+        with self._handle.lock:  # the capture layers are engine state for the whole call
+            return self.steering.capture_residuals(requests, layers)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Shut the engine down and free its memory."""
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-            shutdown = getattr(core, "shutdown", None)
-            if callable(shutdown):
-                shutdown()
-            self.llm = None
+        """Shut the engine down, free its memory, and make sure none of its processes or shared
+        memory is left. Idempotent; waits for a call another thread is running."""
+        self._handle.close()
+        self._finalizer.detach()
 
     def __enter__(self) -> HookedLLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _check_order(sent: Sequence[tuple[int, PreparedPrompt, str]], results: Sequence[Any]) -> None:
+    """Every output must be its own request's: same count, same prompt token ids, in order."""
+    if len(results) != len(sent) or any(
+        list(result.prompt_token_ids or []) != prepared.token_ids
+        for (_, prepared, _), result in zip(sent, results, strict=False)
+    ):
+        raise GuardrailError(
+            f"the engine returned {len(results)} outputs for {len(sent)} requests, or outputs of "
+            "other requests; none of this call's results is used"
+        )

@@ -12,12 +12,15 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+import numbers
+import reprlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from guardrail.errors import ConfigError, GuardrailError
+from guardrail.errors import ConfigError, GuardrailError, RequestError
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt, RequestLike
 from guardrail.probe.scoring import FOCUS, HeadKey
@@ -25,7 +28,16 @@ from guardrail.protocol import ModelInfo
 from guardrail.steering import SteeringVector
 from guardrail.steering.spec import SteeringLike, SteeringReport
 
-__all__ = ["FOCUS", "GuardEngine", "GuardedOutput", "ProbeResult", "per_request"]
+__all__ = [
+    "FOCUS",
+    "STOP_IS",
+    "GuardEngine",
+    "GuardedOutput",
+    "ProbeResult",
+    "is_stop_value",
+    "per_request",
+    "per_request_checked",
+]
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,12 @@ class GuardedOutput:
 
 
 class GuardEngine(Protocol):
-    """The engine interface the guard layer uses (``HookedLLM``, ``FakeEngine``)."""
+    """The engine interface the guard layer uses (``HookedLLM``, ``FakeEngine``).
+
+    ``generate`` may be called from several threads (``HookedLLM`` serialises the calls), and
+    raises ``guardrail.errors.EngineDeadError`` when the engine can no longer answer; the guard
+    then fails the batch closed (docs/reliability.md).
+    """
 
     config: ModelProbeConfig
     model_info: ModelInfo
@@ -112,3 +129,66 @@ def per_request(value: Any, n: int, name: str) -> list[Any]:
             )
         return list(value)
     return [value] * n
+
+
+def per_request_checked(
+    value: Any,
+    n: int,
+    name: str,
+    valid: Callable[[Any], bool],
+    expected: str,
+    errors: dict[int, GuardrailError],
+) -> list[Any]:
+    """``per_request`` with every value checked by ``valid``.
+
+    One value for every request that is invalid raises ``ConfigError`` (the call is wrong). An
+    invalid entry of a list fails its own request alone: ``errors[index]`` gets a
+    ``RequestError`` naming the index and what to pass (unless that request already failed),
+    and None takes its place.
+
+    Example:
+        >>> finite = lambda v: v is None or isinstance(v, float)
+        >>> errors = {}
+        >>> per_request_checked([0.5, "x"], 2, "stop_below", finite, "a float", errors)
+        [0.5, None]
+        >>> errors
+        {1: RequestError("request 1: stop_below must be a float, got str 'x'")}
+        >>> per_request_checked("x", 2, "stop_below", finite, "a float", {})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        guardrail.errors.ConfigError: stop_below must be a float (or a list with one per ...
+    """
+    values = per_request(value, n, name)
+    if not (isinstance(value, Sequence) and not isinstance(value, str)):
+        if n and not valid(value):
+            raise ConfigError(
+                f"{name} must be {expected} (or a list with one per request), got {_show(value)}"
+            )
+        return values
+    for i, entry in enumerate(values):
+        if not valid(entry):
+            message = f"request {i}: {name} must be {expected}, got {_show(entry)}"
+            errors.setdefault(i, RequestError(message))
+            values[i] = None
+    return values
+
+
+STOP_IS = "None or a finite number (end the request after prefill at or below this focus)"
+"""What a valid ``stop_below`` value is, for error messages."""
+
+
+def is_stop_value(value: Any) -> bool:
+    """A valid ``stop_below`` entry: None (no early stop) or a finite real number (not a bool).
+
+    Example:
+        >>> [is_stop_value(v) for v in (None, 0.3, 1, float("nan"), True, "0.3")]
+        [True, True, True, False, False, False]
+    """
+    if value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    return math.isfinite(float(value))
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {reprlib.repr(value)}"

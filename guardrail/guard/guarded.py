@@ -28,6 +28,7 @@ from typing import Any, Literal, Protocol
 from guardrail.engine.types import GuardedOutput, GuardEngine, per_request
 from guardrail.errors import (
     ConfigError,
+    EngineDeadError,
     EngineNotGuardableError,
     GuardrailError,
     PromptInjectionBlocked,
@@ -44,12 +45,16 @@ from guardrail.policy.kinds import (
     policies_per_request,
 )
 from guardrail.policy.reading import Reading
-from guardrail.policy.verdict import Verdict
+from guardrail.policy.verdict import Action, FailureMode, Verdict
 from guardrail.probe.config import ModelProbeConfig, resolve_config
 from guardrail.probe.prompts import RequestLike, request_segments
 from guardrail.steering.spec import Steering
 
 OnBlock = Literal["refuse", "raise"]
+_NO_PARAMS = (
+    "request {i}: its sampling params are None; pass a vllm.SamplingParams for every request "
+    "(or one SamplingParams, or None instead of the list, for all of them)"
+)
 DEFAULT_REFUSAL = "I can't help with this request: a prompt-injection guardrail blocked it."
 BLOCKED_FINISH_REASON = "blocked"
 
@@ -72,7 +77,10 @@ class GuardedResult:
 
     A blocked request's ``text`` is the refusal and its generated tokens are withheld
     (``token_ids`` empty) while ``num_generated_tokens`` still counts what the engine decoded.
-    ``error`` is set (and ``verdict`` is None) when the request itself was invalid.
+    ``error`` is set (and ``verdict`` is None) when the request itself was invalid. When the
+    engine died under the batch (``EngineDeadError``, whose ``results`` hold these), a request
+    that could not be answered has both: the engine's error and a fail-closed block verdict,
+    and no text.
     """
 
     index: int
@@ -215,8 +223,12 @@ class GuardedLLM:
         ``policies`` overrides the guard's policies for this call: one list for every request,
         or one entry per request (a list, or None for the defaults), e.g. a stricter policy for
         one tenant. ``request_ids`` gives the ids verdicts carry (default: a fresh uuid4 hex).
-        An invalid request (or invalid per-request override) fails alone: its result has
-        ``error`` set and the others are answered.
+        An invalid request (or invalid per-request override, e.g. None in a list of sampling
+        params) fails alone: its result has ``error`` set and the others are answered.
+
+        Calls from several threads are safe: the engine runs one call at a time (the others
+        wait). If the engine dies, raises ``EngineDeadError`` whose ``results`` give every
+        request a fail-closed verdict (each recorded in the metrics), never generated text.
 
         Example:
             >>> strict = [PromptInjectionPolicy(threshold_offset=0.1)]  # doctest: +SKIP
@@ -278,6 +290,32 @@ class GuardedLLM:
         n = self._check_requests(requests)
         params = per_request(sampling_params, n, "sampling params")
         ids, errors = self._request_ids(request_ids, n)
+        if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+            for i, given in enumerate(params):
+                if given is None:
+                    errors.setdefault(i, RequestError(_NO_PARAMS.format(i=i)))
+        try:
+            results = self._answer(
+                requests, sampling_params, params, policies, ids, errors, scoring
+            )
+        except EngineDeadError as exc:  # nothing of this batch is answered: fail closed, record
+            exc.results = self._lost(exc, ids, errors)
+            self._observe(exc.results)
+            raise
+        self._observe(results)
+        return results
+
+    def _answer(
+        self,
+        requests: Sequence[RequestLike],
+        sampling_params: Any,
+        params: list[Any],
+        policies: PerRequestPolicies,
+        ids: list[str],
+        errors: dict[int, GuardrailError],
+        scoring: bool,
+    ) -> list[GuardedResult]:
+        n = len(requests)
         sets: list[tuple[Policy, ...]] = []
         for i, entry in enumerate(policies_per_request(policies, n, self.policies, self.threshold)):
             try:
@@ -307,11 +345,38 @@ class GuardedLLM:
             results[i] = self._result(i, ids[i], output, sets[i], scoring)
         if not scoring:
             self._retry(requests, sampling_params, params, sets, ids, results)
+        return [r for r in results if r is not None]
+
+    def _observe(self, results: Sequence[GuardedResult]) -> None:
         if self.metrics is not None:
             for r in results:
-                if r is not None and r.verdict is not None:
+                if r.verdict is not None:
                     self.metrics.observe_verdict(r.verdict, self.model_name)
-        return [r for r in results if r is not None]
+
+    @staticmethod
+    def _lost(
+        error: EngineDeadError, ids: list[str], errors: Mapping[int, GuardrailError]
+    ) -> list[GuardedResult]:
+        """The batch's results when the engine died under it: invalid requests keep their own
+        error; every other request gets a fail-closed block verdict and the engine's error,
+        and no text (whatever it generated before the death is dropped)."""
+        results = []
+        for i, request_id in enumerate(ids):
+            if i in errors:
+                results.append(GuardedResult(index=i, request_id=request_id, error=errors[i]))
+                continue
+            verdict = Verdict(
+                request_id=request_id,
+                action=Action.BLOCK,
+                failure=FailureMode.FAIL_CLOSED,
+                probe_error=f"engine: {error}",
+                reason="the engine died before this request was answered: blocked (fail-closed), "
+                "nothing was generated for it",
+            )
+            results.append(
+                GuardedResult(index=i, request_id=request_id, verdict=verdict, error=error)
+            )
+        return results
 
     def _in_flight(self, n: int) -> AbstractContextManager[Any]:
         if self.metrics is None:

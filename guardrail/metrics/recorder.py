@@ -85,9 +85,10 @@ PROBE_DURATION_BUCKETS: tuple[float, ...] = (
 
 # The fixed label values of ``guardrail_probe_errors_total{reason}``: the prefix of the error
 # message (worker: "plan:", "layer N:", "probe:", "aggregate:"; engine: "missing:",
-# "incomplete:"), and "other" for anything else.
+# "incomplete:"; guard: "engine:" for a request lost because the engine died), and "other" for
+# anything else.
 PROBE_ERROR_REASONS: tuple[str, ...] = (
-    "plan", "layer", "probe", "aggregate", "missing", "incomplete", "other",
+    "plan", "layer", "probe", "aggregate", "missing", "incomplete", "engine", "other",
 )  # fmt: skip
 
 
@@ -99,6 +100,8 @@ def probe_error_reason(error: str) -> str:
         'layer'
         >>> probe_error_reason("missing: the probe returned no score for this request")
         'missing'
+        >>> probe_error_reason("engine: the engine died during the call (...)")
+        'engine'
         >>> probe_error_reason("segfault in a kernel")
         'other'
     """

@@ -1,0 +1,383 @@
+"""The engine handle of ``HookedLLM``: one call at a time, dead engines reported within a
+second, nothing left behind by ``close``. The one caller-side module that reads vLLM's
+engine-client internals.
+
+Why it exists. vLLM 0.32's synchronous multi-process client (``SyncMPClient``, behind
+``vllm.LLM``) never wakes a waiting caller when the engine-core process dies: its monitor
+thread marks the client dead and shuts it down, which stops the output thread *without*
+queueing an error, so ``LLM.generate`` waits on ``outputs_queue.get()`` (and ``collective_rpc``
+on its utility future) forever; only the next call raises ``EngineDeadError`` from
+``ensure_alive``. No public API reports the death or lists the engine's processes, so this
+module reads the client's fields (``resources.engine_manager``, ``resources.engine_dead``,
+``outputs_queue``, ``utility_results``) and imports vLLM's ``EngineDeadError`` from
+``vllm.v1``. import-linter's ``vllm-internals`` contract allows this module, and no other one
+outside ``guardrail.worker``.
+
+What it does:
+
+- ``EngineHandle`` holds the ``vllm.LLM`` and a re-entrant lock: ``call()`` serialises every
+  call (a second thread waits; vLLM's sync client must never be entered by two threads: on the
+  multi-process engine that is a native libzmq assertion, in-process it corrupts memory),
+  refuses closed or dead engines, and turns vLLM's failures of a dead engine into this
+  library's ``EngineDeadError``. It holds no reference to its ``HookedLLM``, so
+  ``weakref.finalize`` can close it.
+- ``EngineSupervisor`` records the engine's processes when the engine has started (the
+  engine-core process and its descendants, e.g. CPU's ``VLLM::Worker``) and the shared-memory
+  segments they map. One daemon thread blocks in ``multiprocessing.connection.wait`` on their
+  exit (process sentinels and Linux pidfds, plus a pipe that ``stop`` writes to): no polling, no
+  cost while the engine lives. When one of them dies, the thread marks the client dead, fails
+  every pending utility call, queues ``EngineDeadError`` for the output loop, and shuts the
+  client down, so the running call raises at once and later calls raise without waiting.
+- ``EngineSupervisor.stop`` (from ``HookedLLM.close``, after vLLM's own shutdown) waits for the
+  recorded processes to exit, kills what is left, reaps them and unlinks the shared-memory
+  segments they left behind, so the next engine starts in a clean process.
+- ``abort_unfinished`` removes requests a failed or interrupted ``generate`` left in the engine,
+  so they never mix into the next call's outputs.
+
+The in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) has no process to watch; there the
+supervisor is inert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from guardrail.errors import EngineClosedError, EngineDeadError, GuardrailError
+
+__all__ = [
+    "EngineHandle",
+    "EngineSupervisor",
+    "SerialLLM",
+    "abort_unfinished",
+    "is_engine_dead_error",
+]
+
+SHM_DIR = Path("/dev/shm")
+PROCESS_EXIT_TIMEOUT_S = 10.0
+"""How long ``stop`` waits for the engine's processes to exit before it kills them."""
+
+
+def is_engine_dead_error(exc: BaseException) -> bool:
+    """True for vLLM's own ``EngineDeadError`` (the engine core is gone, unrecoverable)."""
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+    return isinstance(exc, VllmEngineDeadError)
+
+
+def abort_unfinished(llm: Any) -> None:
+    """Abort every request still in ``llm``'s engine (calls are serialised, so after a failed
+    or interrupted ``generate`` every unfinished request is that call's)."""
+    engine = llm.llm_engine
+    ids = list(getattr(engine.output_processor, "request_states", {}))
+    if ids:
+        engine.abort_request(ids, internal=True)
+
+
+def _shm_mapped_by(pid: int | str) -> set[str]:
+    """Names of the /dev/shm files a process maps (empty when unreadable)."""
+    names = set()
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            if len(fields) == 6 and fields[5].startswith(f"{SHM_DIR}/"):
+                names.add(fields[5][len(str(SHM_DIR)) + 1 :].removesuffix(" (deleted)"))
+    return names
+
+
+def _describe_exit(name: str, pid: int, exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        import signal
+
+        with contextlib.suppress(ValueError):
+            return f"{name} (pid {pid}) was killed by {signal.Signals(-exitcode).name}"
+    if exitcode is not None:
+        return f"{name} (pid {pid}) exited with code {exitcode}"
+    return f"{name} (pid {pid}) exited"
+
+
+class EngineSupervisor:
+    """Watches one ``vllm.LLM``'s engine processes (see the module docstring).
+
+    ``dead`` turns True within milliseconds of an engine process dying; ``reason`` says which
+    one and how. ``stop`` ends the watch and leaves no process or shared memory behind.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        import psutil
+
+        self._client: Any = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        manager = getattr(getattr(self._client, "resources", None), "engine_manager", None)
+        self._children: list[Any] = list(getattr(manager, "processes", None) or [])
+        self.processes: list[psutil.Process] = []
+        for proc in self._children:
+            with contextlib.suppress(psutil.Error, ValueError):
+                core = psutil.Process(proc.pid)
+                self.processes += [core, *core.children(recursive=True)]
+        self._names: dict[int, str] = {}
+        for p in self.processes:
+            with contextlib.suppress(psutil.Error):
+                self._names[p.pid] = p.name()
+        own = _shm_mapped_by("self")
+        self.shared_memory = sorted(
+            {name for p in self.processes for name in _shm_mapped_by(p.pid)} - own
+        )
+        self.reason: str | None = None
+        self._stopping = threading.Event()
+        self._wake: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+        if self._children:
+            self._wake = os.pipe()
+            self._thread = threading.Thread(
+                target=self._watch, name="guardrail-engine-supervisor", daemon=True
+            )
+            self._thread.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    @property
+    def dead(self) -> bool:
+        """True when an engine process died (or vLLM found its engine core dead)."""
+        if self.reason is not None:
+            return True
+        resources = getattr(self._client, "resources", None)
+        return bool(getattr(resources, "engine_dead", False)) and not self._stopping.is_set()
+
+    # -- the watch -------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        from multiprocessing.connection import wait
+
+        assert self._wake is not None
+        waitables: list[Any] = [p.sentinel for p in self._children]
+        pidfds: dict[int, Any] = {}
+        for proc in self.processes[len(self._children) :]:  # descendants: not our children
+            with contextlib.suppress(OSError, AttributeError):
+                pidfds[os.pidfd_open(proc.pid)] = proc
+        try:
+            ready = wait([*waitables, *pidfds, self._wake[0]])
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+        if self._stopping.is_set():
+            return
+        try:
+            reason = self._which(ready, pidfds)
+        except Exception:  # the watch must end in _mark_dead whatever happens
+            reason = "an engine process exited"
+        self._mark_dead(reason)
+
+    def _which(self, ready: Sequence[Any], pidfds: dict[int, Any]) -> str:
+        for proc in self._children:
+            if proc.sentinel in ready:
+                proc.join(0.2)  # vLLM's own monitor may be reaping it right now
+                return _describe_exit(proc.name, proc.pid, proc.exitcode)
+        for fd, proc in pidfds.items():
+            if fd in ready:
+                return _describe_exit(self._names.get(proc.pid, "process"), proc.pid, None)
+        return "an engine process exited"
+
+    def _mark_dead(self, reason: str) -> None:
+        """Wake every waiter with vLLM's ``EngineDeadError``, then shut the client down."""
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+        self.reason = reason
+        client = self._client
+        # Set the flag first: a call that checks ``ensure_alive`` after this raises, and a call
+        # that checked before registered its utility future before, so the loop below sees it.
+        client.resources.engine_dead = True
+        pending = getattr(client, "utility_results", {})
+        for call_id, future in list(pending.items()):
+            pending.pop(call_id, None)
+            with contextlib.suppress(Exception):  # already resolved: nothing to wake
+                future.set_exception(VllmEngineDeadError())
+        outputs = getattr(client, "outputs_queue", None)
+        if outputs is not None:
+            outputs.put_nowait(VllmEngineDeadError())
+        with contextlib.suppress(Exception):  # idempotent in vLLM; kills what is left
+            client.shutdown()
+
+    def abandon(self, reason: str) -> None:
+        """Fail a call that is still waiting on the engine (closing under it at exit)."""
+        if self._thread is not None and self.reason is None:
+            self._mark_dead(reason)
+
+    # -- the end ---------------------------------------------------------------------------------
+    def stop(self, timeout: float = PROCESS_EXIT_TIMEOUT_S) -> None:
+        """After vLLM's shutdown: end the watch, make sure every engine process is gone (killed
+        after ``timeout`` s) and reaped, and unlink the shared memory they left. Idempotent."""
+        import psutil
+
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._wake is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._wake[1], b"x")
+        deadline = time.monotonic() + timeout
+        for proc in self._children:  # our children: join reaps them (no zombie left)
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        # Descendants (workers) are not our children; vLLM's shutdown stops them, except when
+        # their engine core died first: then nobody will, so end them here (they serve no one).
+        others = [p for p in self.processes[len(self._children) :] if self._running(p)]
+        for p in others:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        deadline = min(deadline, time.monotonic() + 2.0)
+        while any(self._running(p) for p in others) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for p in others:
+            if self._running(p):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+        deadline = time.monotonic() + 5.0
+        while any(self._running(p) for p in others) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._unlink_shared_memory()
+        if self._thread is not None:
+            self._thread.join(1.0)
+        if self._wake is not None:
+            for fd in self._wake:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake = None
+
+    @staticmethod
+    def _running(proc: Any) -> bool:
+        import psutil
+
+        try:
+            return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
+
+    def _unlink_shared_memory(self) -> None:
+        """Unlink the segments the engine's processes mapped and left (vLLM's message queues:
+        a process killed before its own cleanup cannot unlink them)."""
+        from multiprocessing import shared_memory
+
+        still_mapped = _shm_mapped_by("self")
+        for name in self.shared_memory:
+            if not name.startswith("psm_") or name in still_mapped:
+                continue
+            if not (SHM_DIR / name).exists():
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                segment = shared_memory.SharedMemory(name=name)
+                segment.close()
+                segment.unlink()  # also drops it from the resource tracker: no warning at exit
+        # Named semaphores of joblib's loky in the worker carry their creator's pid; they are
+        # registered with the resource tracker the engine processes share with this one.
+        from multiprocessing import resource_tracker
+
+        for pid in self.pids:
+            for path in SHM_DIR.glob(f"sem.loky-{pid}-*"):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    resource_tracker.unregister("/" + path.name.removeprefix("sem."), "semaphore")
+
+
+class EngineHandle:
+    """One ``vllm.LLM``, the lock that serialises calls to it, and its supervisor.
+
+    Holds no reference to the ``HookedLLM`` that owns it, so ``weakref.finalize`` can close an
+    engine nobody closed (when its ``HookedLLM`` is collected, or at interpreter exit).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # one call at a time; re-entrant for nested engine calls
+        self.llm: Any = None
+        self.supervisor: EngineSupervisor | None = None
+        self.closed = False
+
+    def watch(self) -> None:
+        """Start watching the processes of ``llm`` (set it first, once the engine started)."""
+        self.supervisor = EngineSupervisor(self.llm)
+
+    @property
+    def dead(self) -> bool:
+        return self.supervisor is not None and self.supervisor.dead
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[Any]:
+        """Hold the engine for one call and yield the ``vllm.LLM``: waits for another thread's
+        call; raises ``EngineClosedError`` / ``EngineDeadError`` when the engine cannot answer,
+        and turns vLLM's failures of a dead engine into ``EngineDeadError``."""
+        with self.lock:
+            if self.closed or self.llm is None:
+                raise EngineClosedError("the engine was closed; start a new one")
+            if self.dead:
+                raise EngineDeadError(f"the engine is dead ({self._reason()}); start a new one")
+            try:
+                yield self.llm
+            except GuardrailError:
+                raise
+            except Exception as exc:
+                if is_engine_dead_error(exc) or self.dead:
+                    raise EngineDeadError(
+                        f"the engine died during the call ({self._reason()}); start a new one"
+                    ) from exc
+                raise
+
+    def _reason(self) -> str:
+        reason = self.supervisor.reason if self.supervisor is not None else None
+        return reason or "vLLM reported its engine core dead; its log says why"
+
+    def serial_llm(self, tokenizer: Any) -> SerialLLM:
+        return SerialLLM(self, tokenizer)
+
+    def close(self, wait_s: float | None = None) -> None:
+        """Shut vLLM down, then make sure no engine process or shared memory is left.
+
+        Waits for a running call to finish; with ``wait_s``, at most that long, after which a
+        multi-process engine is shut down under the call (which then raises
+        ``EngineDeadError``)."""
+        locked = self.lock.acquire(timeout=-1 if wait_s is None else wait_s)
+        try:
+            if self.closed:
+                return
+            self.closed = True
+            llm, self.llm = self.llm, None
+            supervisor = self.supervisor
+            if supervisor is not None and not locked:
+                supervisor.abandon("the engine was closed while a call was running")
+            try:
+                core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+                shutdown = getattr(core, "shutdown", None)
+                if callable(shutdown):
+                    shutdown()
+            finally:
+                if supervisor is not None:
+                    supervisor.stop()
+        finally:
+            if locked:
+                self.lock.release()
+
+
+class SerialLLM:
+    """The ``vllm.LLM`` as a component (``SteeringClient``) sees it: each call goes through
+    ``EngineHandle.call`` (serialised, dead engines reported as ``EngineDeadError``)."""
+
+    def __init__(self, handle: EngineHandle, tokenizer: Any) -> None:
+        self._handle = handle
+        self._tokenizer = tokenizer
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        with self._handle.call() as llm:
+            return llm.generate(*args, **kwargs)
+
+    def collective_rpc(self, *args: Any, **kwargs: Any) -> Any:
+        with self._handle.call() as llm:
+            return llm.collective_rpc(*args, **kwargs)
+
+    def get_tokenizer(self) -> Any:
+        return self._tokenizer

@@ -1,0 +1,218 @@
+"""Per-request arguments, the engine handle and the guard on a dead engine, without vLLM running.
+
+- Per-request lists (sampling params, ``stop_below``, ``stop_on_probe_error``, probe keys): a
+  bad entry fails its own request with a ``RequestError`` naming the index; one bad value for
+  every request fails the call with a ``ConfigError``.
+- ``EngineHandle`` (guardrail.engine.vllm_client) serialises calls from many threads, refuses a
+  closed engine, turns vLLM's ``EngineDeadError`` into this library's, and closes once.
+- ``GuardedLLM`` over a ``FakeEngine`` that dies: every request of the batch gets a fail-closed
+  verdict carried by the raised ``EngineDeadError``, recorded in the metrics.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from guardrail.engine.client import checked_probe_keys
+from guardrail.engine.types import STOP_IS, is_stop_value, per_request_checked
+from guardrail.engine.vllm_client import EngineHandle
+from guardrail.errors import (
+    ConfigError,
+    EngineClosedError,
+    EngineDeadError,
+    GuardrailError,
+    RequestError,
+)
+from guardrail.guard import GuardedLLM
+from guardrail.metrics import GuardrailMetrics
+from guardrail.policy import Action, FailureMode
+from guardrail.probe.config import ModelProbeConfig
+from guardrail.testing import FakeEngine
+
+CONFIG = ModelProbeConfig(model_id="tiny", heads=[(0, 0)], threshold=0.5)
+
+
+# -- per-request arguments ----------------------------------------------------------------------
+def test_a_bad_entry_fails_its_request_and_a_bad_single_value_fails_the_call() -> None:
+    errors: dict[int, GuardrailError] = {}
+    values = [None, 0.2, float("nan"), "0.3", True, 1]
+    checked = per_request_checked(values, 6, "stop_below", is_stop_value, STOP_IS, errors)
+    assert checked == [None, 0.2, None, None, None, 1]
+    assert sorted(errors) == [2, 3, 4]
+    assert all(isinstance(e, RequestError) for e in errors.values())
+    assert str(errors[3]).startswith("request 3: stop_below must be None or a finite number")
+    with pytest.raises(ConfigError, match="stop_below must be None or a finite number"):
+        per_request_checked(float("inf"), 2, "stop_below", is_stop_value, STOP_IS, {})
+    with pytest.raises(ConfigError, match="got 1 values of stop_below for 2 requests"):
+        per_request_checked([0.1], 2, "stop_below", is_stop_value, STOP_IS, {})
+    # An earlier error of the same request wins.
+    errors = {0: RequestError("first")}
+    per_request_checked(["x"], 1, "stop_below", is_stop_value, STOP_IS, errors)
+    assert str(errors[0]) == "first"
+
+
+def test_probe_keys_are_checked_per_request() -> None:
+    errors: dict[int, GuardrailError] = {}
+    keys = checked_probe_keys(["a", None, 7, "a", "", "b"], 6, errors)
+    assert keys == ["a", None, None, None, None, "b"]
+    assert sorted(errors) == [2, 3, 4]
+    assert "used twice" in str(errors[3]) and "non-empty string" in str(errors[2])
+    with pytest.raises(ConfigError, match="must be a list"):
+        checked_probe_keys("abc", 3, {})  # type: ignore[arg-type]
+    assert checked_probe_keys(None, 2, {}) == [None, None]
+
+
+# -- the engine handle --------------------------------------------------------------------------
+class _SlowLLM:
+    """Stands in for ``vllm.LLM``: records how many calls overlap."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.most = 0
+        self.calls: list[tuple[str, int]] = []
+        self.fail_with: BaseException | None = None
+
+    def generate(self, tag: str, index: int) -> tuple[str, int]:
+        self.active += 1
+        self.most = max(self.most, self.active)
+        time.sleep(0.002)
+        self.calls.append((tag, index))
+        self.active -= 1
+        if self.fail_with is not None:
+            raise self.fail_with
+        return tag, index
+
+
+def test_the_handle_runs_one_call_at_a_time_and_each_caller_gets_its_own_answer() -> None:
+    handle = EngineHandle()
+    handle.llm = fake = _SlowLLM()
+    handle.watch()  # no engine processes: the supervisor is inert
+    assert handle.supervisor is not None and handle.supervisor.pids == []
+    answers: dict[str, list[Any]] = {}
+
+    def caller(tag: str) -> None:
+        got = []
+        for i in range(20):
+            with handle.call() as llm:
+                got.append(llm.generate(tag, i))
+        answers[tag] = got
+
+    threads = [threading.Thread(target=caller, args=(f"t{k}",)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert fake.most == 1 and len(fake.calls) == 160
+    assert answers == {f"t{k}": [(f"t{k}", i) for i in range(20)] for k in range(8)}
+
+
+def test_the_handle_reports_dead_and_closed_engines_with_its_own_errors() -> None:
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+    handle = EngineHandle()
+    handle.llm = fake = _SlowLLM()
+    handle.watch()
+    fake.fail_with = VllmEngineDeadError()
+    with (
+        pytest.raises(EngineDeadError, match="died during the call") as caught,
+        handle.call() as llm,
+    ):
+        llm.generate("x", 0)
+    assert isinstance(caught.value.__cause__, VllmEngineDeadError)
+    fake.fail_with = ValueError("an ordinary error")  # not a death: passes through unchanged
+    with pytest.raises(ValueError, match="an ordinary error"), handle.call() as llm:
+        llm.generate("x", 1)
+    handle.close()
+    handle.close()  # idempotent
+    with pytest.raises(EngineClosedError, match="closed"), handle.call():
+        pass
+    assert issubclass(EngineClosedError, EngineDeadError)
+
+
+# -- the guard on a dead engine -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+
+
+class _DyingEngine(FakeEngine):
+    """A fake engine whose engine dies on the ``die_on``-th generate call."""
+
+    die_on = 1
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        if len(self.calls) + 1 >= self.die_on:
+            self.calls.append([])
+            raise EngineDeadError("the engine died during the call (test)")
+        return super().generate(*args, **kwargs)
+
+
+def test_a_dead_engine_fails_every_request_closed_and_counts_them(tokenizer: Any) -> None:
+    registry = CollectorRegistry()
+    metrics = GuardrailMetrics(registry, model_name="tiny")
+    engine = _DyingEngine(CONFIG, tokenizer, lambda prompt, attempt: 0.9)
+    guard = GuardedLLM.from_engine(engine, metrics=metrics)
+    requests = [("Summarize.", "hello"), "Hi", ("Translate.", "bonjour")]
+    params = [object(), None, object()]  # None: request "b" is invalid, never sent
+    with pytest.raises(EngineDeadError, match="died") as caught:
+        guard.generate(requests, params, request_ids=["a", "b", "c"])
+    results = caught.value.results
+    assert [r.request_id for r in results] == ["a", "b", "c"]
+    invalid = results[1]
+    assert isinstance(invalid.error, RequestError) and invalid.verdict is None
+    for lost in (results[0], results[2]):
+        assert lost.verdict is not None and lost.verdict.blocked
+        assert lost.verdict.failure is FailureMode.FAIL_CLOSED
+        assert lost.verdict.probe_error is not None
+        assert lost.verdict.probe_error.startswith("engine: ")
+        assert lost.text == "" and lost.token_ids == () and lost.error is caught.value
+        assert not lost.ok
+    value = registry.get_sample_value
+    model = {"model_name": "tiny"}
+    assert value("guardrail_requests_total", {**model, "action": "block"}) == 2
+    assert value("guardrail_requests_total", {**model, "action": "allow"}) == 0
+    assert value("guardrail_probe_errors_total", {**model, "reason": "engine"}) == 2
+    assert (
+        value("guardrail_probe_errors_total", {"model_name": "other", "reason": "engine"}) is None
+    )
+    assert value("guardrail_requests_in_flight", model) == 0
+
+
+def test_a_death_during_the_retry_pass_loses_the_whole_batch(tokenizer: Any) -> None:
+    from guardrail.policy import PromptInjectionPolicy, RetrySettings
+    from guardrail.steering import SteeringMetadata, SteeringVector
+
+    engine = _DyingEngine(CONFIG, tokenizer, lambda prompt, attempt: 0.3)
+    engine.die_on = 2  # the first pass answers; the steered retry pass dies
+    meta = SteeringMetadata(
+        name="vec", model_id="tiny", layer=1, num_layers=4, hidden_size=64, avg_proj=1.0
+    )
+    import torch
+
+    engine.load_steering_vector(SteeringVector(meta, torch.ones(64) / 8.0))
+    retry = PromptInjectionPolicy(
+        action=Action.RETRY_WITH_STEERING, retry=RetrySettings(vector="vec", max_attempts=2)
+    )
+    guard = GuardedLLM.from_engine(engine, [retry])
+    with pytest.raises(EngineDeadError) as caught:
+        guard.generate([("Summarize.", "hello")])
+    (lost,) = caught.value.results
+    assert lost.verdict is not None and lost.verdict.blocked and lost.text == ""
+
+
+def test_none_in_a_sampling_params_list_fails_that_request_alone(tokenizer: Any) -> None:
+    engine = FakeEngine(CONFIG, tokenizer, lambda prompt, attempt: 0.9)
+    guard = GuardedLLM.from_engine(engine)
+    ok, bad = guard.generate(["Hi", "Hello"], [object(), None])
+    assert ok.verdict is not None and ok.verdict.action is Action.ALLOW
+    assert isinstance(bad.error, RequestError) and bad.verdict is None
+    assert str(bad.error).startswith("request 1: its sampling params are None")
+    assert len(engine.calls[-1]) == 1  # the bad one was never sent

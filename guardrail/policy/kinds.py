@@ -34,7 +34,9 @@ from guardrail.errors import ConfigError
 from guardrail.policy.reading import Reading
 from guardrail.policy.retry import RetrySettings
 from guardrail.policy.verdict import Action, FailureMode, PolicyDecision
-from guardrail.probe.config import (
+from guardrail.probe.prompts import Segment
+from guardrail.probe.scoring import FOCUS
+from guardrail.strict import (
     ConfigModel,
     FiniteNumber,
     Flag,
@@ -42,8 +44,6 @@ from guardrail.probe.config import (
     describe_errors,
     short_repr,
 )
-from guardrail.probe.prompts import Segment
-from guardrail.probe.scoring import FOCUS
 
 __all__ = [
     "DEFAULT_POLICY",

@@ -24,9 +24,9 @@ from pydantic import Field, field_validator, model_validator
 
 from guardrail.errors import ConfigError
 from guardrail.policy.verdict import Action, Attempt, Verdict
-from guardrail.probe.config import ConfigModel, FiniteNumber, StringInput, WholeNumber
 from guardrail.steering.math import SteeringMethod
 from guardrail.steering.spec import Steering
+from guardrail.strict import ConfigModel, FiniteNumber, StringInput, WholeNumber
 
 __all__ = [
     "AttemptRecord",

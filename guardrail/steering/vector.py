@@ -24,7 +24,7 @@ from pydantic import Field, field_validator
 
 from guardrail.errors import ConfigError
 from guardrail.steering.math import SteeringMethod
-from guardrail.steering.spec import FiniteNumber, SchemaVersion, SpecModel, WholeNumber
+from guardrail.strict import ConfigModel, FiniteNumber, SchemaVersion, WholeNumber
 
 __all__ = [
     "STEERING_SUFFIX",
@@ -49,7 +49,7 @@ def _relative(value: str) -> str:
     return value
 
 
-class SteeringBuildInfo(SpecModel):
+class SteeringBuildInfo(ConfigModel):
     """How a vector was built, for audit (relative descriptions only, no absolute paths)."""
 
     dataset: str
@@ -67,7 +67,7 @@ class SteeringBuildInfo(SpecModel):
     _no_paths = field_validator("dataset", "notes")(_relative)
 
 
-class SteeringMetadata(SpecModel):
+class SteeringMetadata(ConfigModel):
     """What a steering file says about its vector; checked against the served model on load.
 
     Numbers are strict and finite: a bool, a string, NaN or infinity is a ``ConfigError``

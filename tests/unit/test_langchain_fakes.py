@@ -35,9 +35,11 @@ from pydantic import ValidationError
 
 from guardrail.errors import ConfigError, PromptInjectionBlocked, RequestError
 from guardrail.guard.batcher import EngineBatcher
+from guardrail.guard.decider import Decider
 from guardrail.guard.guarded import GuardedLLM, GuardedResult
 from guardrail.policy import Reading, decide
 from guardrail.policy.verdict import Action
+from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import GuardedPrompt
 
 PROMPT = ChatPromptTemplate.from_messages(
@@ -337,7 +339,7 @@ class StubGuarded(GuardedLLM):
 
     def __init__(self, fail: bool = False) -> None:  # no engine: GuardedLLM.__init__ not called
         self.engine = _StubEngine()  # the batcher's key
-        self.on_block = "refuse"
+        self.decider = Decider(ModelProbeConfig(model_id="stub", heads=[(0, 0)], threshold=0.5))
         self.fail = fail
         self.batches: list[list[Any]] = []
         self.overlap = False

@@ -1,0 +1,328 @@
+"""``Decider``: the engine-independent half of a guard, shared by ``GuardedLLM`` (sync) and
+``AsyncGuardedLLM``: the policies, each request's in-engine stop plan, the verdict and result of
+an engine output, and what the metrics observe. It never calls an engine.
+
+Example:
+    >>> from guardrail.probe.config import ModelProbeConfig
+    >>> config = ModelProbeConfig(model_id="m", heads=[(0, 0)], threshold=0.3)
+    >>> decider = Decider(config, [{"threshold": 0.3}])
+    >>> [p.kind for p in decider.policies], decider.model_name
+    (['prompt_injection'], 'm')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol
+
+from guardrail.engine.types import GuardedOutput
+from guardrail.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineNotGuardableError,
+    GuardrailError,
+    RequestError,
+)
+from guardrail.policy.decide import decide, early_stop
+from guardrail.policy.kinds import (
+    DEFAULT_POLICY,
+    PerRequestPolicies,
+    Policy,
+    PolicyLike,
+    load_policies,
+    policies_per_request,
+)
+from guardrail.policy.reading import Reading
+from guardrail.policy.verdict import Action, FailureMode, Verdict
+from guardrail.probe.config import ModelProbeConfig
+from guardrail.probe.prompts import RequestLike, request_segments
+from guardrail.protocol import ModelInfo
+
+__all__ = [
+    "BLOCKED_FINISH_REASON",
+    "DEFAULT_REFUSAL",
+    "Decider",
+    "GuardedResult",
+    "OnBlock",
+    "VerdictObserver",
+    "request_ids",
+]
+
+OnBlock = Literal["refuse", "raise"]
+DEFAULT_REFUSAL = "I can't help with this request: a prompt-injection guardrail blocked it."
+BLOCKED_FINISH_REASON = "blocked"
+
+
+class VerdictObserver(Protocol):
+    """What ``GuardedLLM(metrics=...)`` calls; ``guardrail.metrics.recorder.GuardrailMetrics`` fits.
+
+    An observer that also has ``set_thresholds(policies, model_name, model_threshold=...)``
+    (``GuardrailMetrics`` does) gets the guard's policies once, when the guard is built.
+    """
+
+    def observe_verdict(self, verdict: Verdict, model_name: str) -> None: ...
+
+    def track_in_flight(self, n: int) -> AbstractContextManager[Any]: ...
+
+
+class StopFacts(Protocol):
+    """What a stop plan needs to know of the engine (``GuardEngine`` and the async engine)."""
+
+    model_info: ModelInfo
+
+    @property
+    def stop_token(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class GuardedResult:
+    """One request's outcome: the text to show and the verdict behind it.
+
+    A blocked request's ``text`` is the refusal and its generated tokens are withheld
+    (``token_ids`` empty) while ``num_generated_tokens`` still counts what the engine decoded.
+    ``error`` is set (and ``verdict`` is None) when the request itself was invalid. When the
+    engine died under the batch (``EngineDeadError``, whose ``results`` hold these), a request
+    that could not be answered has both: the engine's error and a fail-closed block verdict,
+    and no text.
+    """
+
+    index: int
+    request_id: str
+    text: str = ""
+    verdict: Verdict | None = None
+    token_ids: tuple[int, ...] = ()
+    num_generated_tokens: int = 0
+    finish_reason: str | None = None
+    error: GuardrailError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def blocked(self) -> bool:
+        return self.verdict is not None and self.verdict.blocked
+
+    @property
+    def flagged(self) -> bool:
+        return self.verdict is not None and self.verdict.flagged
+
+
+def request_ids(
+    given: Sequence[str | None] | None, n: int
+) -> tuple[list[str], dict[int, GuardrailError]]:
+    """One id per request (None: a fresh uuid4 hex). A bad or repeated id fails its request."""
+    if given is None:
+        return [uuid.uuid4().hex for _ in range(n)], {}
+    if isinstance(given, str) or len(given) != n:
+        raise ConfigError(
+            f"request_ids must be a list with one id (or None) per request: {n} requests"
+        )
+    ids: list[str] = []
+    errors: dict[int, GuardrailError] = {}
+    for i, one in enumerate(given):
+        if one is not None and (not isinstance(one, str) or not one):
+            errors[i] = RequestError(f"request id {one!r} must be a non-empty string")
+        elif one is not None and one in ids:
+            errors[i] = RequestError(
+                f"request id {one!r} is used twice in this call; request ids must be unique"
+            )
+        # A failed request is not sent, so a repeated id is kept only to report it.
+        ids.append(one if isinstance(one, str) and one else uuid.uuid4().hex)
+    return ids, errors
+
+
+class Decider:
+    """A guard's policies and everything decided from them (see the module docstring).
+
+    Arguments are those of ``GuardedLLM`` with the same names; each is checked here, before
+    any engine starts.
+    """
+
+    def __init__(
+        self,
+        config: ModelProbeConfig,
+        policies: Sequence[PolicyLike] | None = None,
+        *,
+        on_block: str = "refuse",
+        refusal_text: str = DEFAULT_REFUSAL,
+        metrics: VerdictObserver | None = None,
+        early_block: bool = True,
+        model_name: str | None = None,
+    ) -> None:
+        if on_block not in ("refuse", "raise"):
+            raise ConfigError(f"on_block must be 'refuse' or 'raise', got {on_block!r}")
+        if not isinstance(refusal_text, str):
+            raise ConfigError("refusal_text must be a string")
+        self.config = config
+        self.threshold = config.threshold
+        self.policies: tuple[Policy, ...] = load_policies(
+            policies if policies is not None else [DEFAULT_POLICY], config.threshold
+        )
+        self.on_block = on_block
+        self.refusal_text = refusal_text
+        self.metrics = metrics
+        self.early_block = early_block
+        self.model_name = model_name or config.model_id
+        export = getattr(metrics, "set_thresholds", None)
+        if callable(export):  # threshold gauges and zeroed decision series, from the start
+            export(self.policies, self.model_name, model_threshold=self.threshold)
+
+    def policy_sets(
+        self,
+        policies: PerRequestPolicies,
+        n: int,
+        errors: dict[int, GuardrailError],
+        prepare: Callable[[Sequence[Policy]], None] | None,
+    ) -> list[tuple[Policy, ...]]:
+        """Each request's policies (overrides resolved); ``prepare`` readies retry policies
+        (loads their vectors). A bad override fails its own request (``errors``)."""
+        sets: list[tuple[Policy, ...]] = []
+        for i, entry in enumerate(policies_per_request(policies, n, self.policies, self.threshold)):
+            try:
+                if not isinstance(entry, ConfigError) and prepare is not None:
+                    prepare(entry)
+            except (ConfigError, EngineNotGuardableError) as exc:
+                entry = ConfigError(f"retry_with_steering cannot run: {exc}")
+            if isinstance(entry, ConfigError):
+                errors.setdefault(i, entry)
+            sets.append(() if isinstance(entry, ConfigError) else entry)
+        return sets
+
+    def stop_plan(
+        self,
+        engine: StopFacts,
+        policies: tuple[Policy, ...],
+        request: RequestLike,
+        params: Any,
+        scoring: bool,
+        attempt: int = 1,
+    ) -> tuple[float | None, bool]:
+        """``(stop_below, stop_on_probe_error)`` when this request can be blocked in-engine."""
+        if scoring or not self.early_block or not policies:
+            return None, False
+        # The in-engine stop ends a request with its eos token: it cannot honour min_tokens or
+        # ignore_eos, nor run across tensor-parallel ranks. Such requests are blocked after
+        # generation instead (their text is still never delivered).
+        if (
+            engine.model_info["tp_size"] != 1
+            or bool(getattr(params, "min_tokens", 0))
+            or getattr(params, "ignore_eos", False)
+        ):
+            return None, False
+        if engine.stop_token is None:
+            return None, False
+        return early_stop(policies, self.threshold, attempt, request_segments(request))
+
+    def verdict(
+        self,
+        request_id: str,
+        output: GuardedOutput,
+        policies: tuple[Policy, ...],
+        verdict: Verdict | None = None,
+    ) -> Verdict | None:
+        """The verdict on one engine output (None when the output has no result);
+        ``verdict`` replaces the policies' decision (retries)."""
+        if output.error is not None or output.probe is None or output.prompt is None:
+            return None
+        probe, prompt = output.probe, output.prompt
+        if verdict is None:
+            reading = Reading(
+                signals=probe.signals,
+                error=probe.error,
+                head_scores=probe.head_scores,
+                segments=prompt.segments,
+                instruction_spans=prompt.instruction_spans,
+                data_spans=prompt.data_spans,
+                num_prompt_tokens=probe.num_prompt_tokens or len(prompt.token_ids),
+                latency_s=probe.probe_seconds,
+                stopped_early=probe.stopped,
+            )
+            verdict = decide(
+                policies, reading, request_id=request_id, model_threshold=self.threshold
+            )
+        beyond = self._beyond_calibration(prompt.num_data_tokens, verdict)
+        if beyond is not None:
+            verdict = verdict.model_copy(update={"beyond_calibration": beyond})
+        return verdict
+
+    def result(
+        self,
+        index: int,
+        request_id: str,
+        output: GuardedOutput,
+        policies: tuple[Policy, ...],
+        scoring: bool,
+        verdict: Verdict | None = None,
+    ) -> GuardedResult:
+        """The result of one output; ``verdict`` replaces the policies' decision (retries)."""
+        decided = self.verdict(request_id, output, policies, verdict)
+        if decided is None:
+            error = output.error or RequestError("the engine returned no result for this request")
+            return GuardedResult(index=index, request_id=request_id, error=error)
+        result = GuardedResult(
+            index=index,
+            request_id=request_id,
+            verdict=decided,
+            num_generated_tokens=len(output.token_ids),
+            finish_reason=output.finish_reason,
+        )
+        if scoring:
+            return result
+        if decided.blocked:  # the generated tokens (if any) are withheld, only counted
+            return replace(result, text=self.refusal_text, finish_reason=BLOCKED_FINISH_REASON)
+        return replace(result, text=output.text, token_ids=tuple(output.token_ids))
+
+    def _beyond_calibration(self, data_tokens: int, verdict: Verdict) -> str | None:
+        """Why this scored request lies outside the config's calibration rows, or None."""
+        calibration = self.config.calibration
+        limit = calibration.max_data_tokens if calibration is not None else None
+        if verdict.focus is None or limit is None or data_tokens <= limit:
+            return None
+        return (
+            f"data has {data_tokens} tokens, longer than any calibration row of the model "
+            f"config ({limit}): the score is less reliable here (long clean data scores lower); "
+            "calibrate or re-threshold on rows this long (guardrail calibrate / threshold)"
+        )
+
+    def observe(self, results: Sequence[GuardedResult]) -> None:
+        """Record every verdict in the metrics (if any)."""
+        if self.metrics is not None:
+            for r in results:
+                if r.verdict is not None:
+                    self.metrics.observe_verdict(r.verdict, self.model_name)
+
+    def in_flight(self, n: int) -> AbstractContextManager[Any]:
+        """Count ``n`` requests as in flight for the ``with`` block (metrics)."""
+        if self.metrics is None:
+            return contextlib.nullcontext()
+        return self.metrics.track_in_flight(n)
+
+    @staticmethod
+    def lost(
+        error: EngineDeadError, ids: Sequence[str], errors: Mapping[int, GuardrailError]
+    ) -> list[GuardedResult]:
+        """The results when the engine died under a batch: invalid requests keep their own
+        error; every other request gets a fail-closed block verdict and the engine's error,
+        and no text (whatever it generated before the death is dropped)."""
+        results = []
+        for i, request_id in enumerate(ids):
+            if i in errors:
+                results.append(GuardedResult(index=i, request_id=request_id, error=errors[i]))
+                continue
+            verdict = Verdict(
+                request_id=request_id,
+                action=Action.BLOCK,
+                failure=FailureMode.FAIL_CLOSED,
+                probe_error=f"engine: {error}",
+                reason="the engine died before this request was answered: blocked (fail-closed), "
+                "nothing was generated for it",
+            )
+            results.append(
+                GuardedResult(index=i, request_id=request_id, verdict=verdict, error=error)
+            )
+        return results

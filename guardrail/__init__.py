@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from guardrail.errors import (
     ConfigError,
+    EngineClosedError,
+    EngineDeadError,
     EngineNotGuardableError,
     GuardrailError,
     HeadsDoNotFitModelError,
@@ -43,6 +45,8 @@ __all__ = [
     "Calibration",
     "ConfigError",
     "DataPatternPolicy",
+    "EngineClosedError",
+    "EngineDeadError",
     "EngineNotGuardableError",
     "FailureMode",
     "GuardedLLM",

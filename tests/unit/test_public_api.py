@@ -9,6 +9,8 @@ EXPECTED = {
     "Calibration",
     "ConfigError",
     "DataPatternPolicy",
+    "EngineClosedError",
+    "EngineDeadError",
     "EngineNotGuardableError",
     "FailureMode",
     "GuardedLLM",
@@ -49,3 +51,12 @@ def test_config_errors_are_value_errors():
     assert issubclass(guardrail.ConfigError, ValueError)
     assert issubclass(guardrail.RequestError, ValueError)
     assert issubclass(guardrail.PromptInjectionBlocked, guardrail.GuardrailError)
+
+
+def test_engine_errors_are_the_ones_the_engine_raises():
+    from guardrail import errors
+
+    assert guardrail.EngineDeadError is errors.EngineDeadError
+    assert guardrail.EngineClosedError is errors.EngineClosedError
+    assert issubclass(guardrail.EngineClosedError, guardrail.EngineDeadError)
+    assert issubclass(guardrail.EngineDeadError, guardrail.GuardrailError)

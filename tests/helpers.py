@@ -12,9 +12,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -110,10 +111,10 @@ def tiny_config(model_id: str = "tiny", threshold: float | None = 0.5):  # type:
     return ModelProbeConfig(model_id=model_id, heads=heads, threshold=threshold)
 
 
-def start_engine(model_dir: Path, multiprocess: bool = True, **overrides):  # type: ignore[no-untyped-def]
+@contextlib.contextmanager
+def engine_mode(multiprocess: bool) -> Iterator[None]:
+    """vLLM's in-process or multi-process engine for the engine started in the block."""
     import vllm.envs
-
-    from guardrail.engine import HookedLLM
 
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
@@ -121,14 +122,31 @@ def start_engine(model_dir: Path, multiprocess: bool = True, **overrides):  # ty
     if vllm.envs._is_envs_cache_enabled():
         vllm.envs.__getattr__.cache_clear()
     try:
-        args = {**TINY_ENGINE_ARGS, **overrides}
-        config = args.pop("probe_config", tiny_config())
-        return HookedLLM(str(model_dir), config, **args)
+        yield
     finally:
         if previous is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+
+
+def start_engine(model_dir: Path, multiprocess: bool = True, **overrides):  # type: ignore[no-untyped-def]
+    from guardrail.engine import HookedLLM
+
+    with engine_mode(multiprocess):
+        args = {**TINY_ENGINE_ARGS, **overrides}
+        config = args.pop("probe_config", tiny_config())
+        return HookedLLM(str(model_dir), config, **args)
+
+
+async def start_async_engine(model_dir: Path, **overrides):  # type: ignore[no-untyped-def]
+    """An ``AsyncHookedLLM`` on a tiny model (always multi-process, like ``vllm serve``)."""
+    from guardrail.engine import AsyncHookedLLM
+
+    with engine_mode(multiprocess=True):
+        args = {**TINY_ENGINE_ARGS, **overrides}
+        config = args.pop("probe_config", tiny_config())
+        return await AsyncHookedLLM.create(str(model_dir), config, **args)
 
 
 # -- prompts and vectors shared by engine tests -----------------------------------------------

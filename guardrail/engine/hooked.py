@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 import uuid
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,6 +24,14 @@ from typing import Any
 import torch
 
 from guardrail.engine.client import ProbeClient, checked_probe_keys
+from guardrail.engine.install import (
+    SELF_TEST_REQUEST,
+    check_self_test,
+    check_served_model,
+    check_sizes_from_files,
+    engine_arguments,
+    heads_to_score,
+)
 from guardrail.engine.steering import ResolvedSteering, SteeringClient
 from guardrail.engine.types import (
     STOP_IS,
@@ -45,34 +52,12 @@ from guardrail.protocol import (
     RPC_POP_RESULTS,
     RPC_SET_FAULTS,
     STEER_ARG,
-    STOP_PROCESSOR,
-    WORKER_EXTENSION,
     ModelInfo,
 )
 from guardrail.steering import SteeringVector
 from guardrail.steering.spec import Steering, SteeringLike
 
 __all__ = ["GuardedOutput", "HookedLLM", "ProbeResult", "per_request"]
-
-
-def _check_sizes_from_files(model: str, config: ModelProbeConfig) -> None:
-    """Fail before the engine starts when a local model's config.json shows the heads do not fit."""
-    config_file = Path(model) / "config.json"
-    if not config_file.is_file():
-        return  # a hub id: checked against the loaded model after start
-    hf = json.loads(config_file.read_text())
-    hf = hf.get("text_config", hf)
-    if "num_hidden_layers" in hf and "num_attention_heads" in hf:
-        config.check_fits(int(hf["num_hidden_layers"]), int(hf["num_attention_heads"]))
-
-
-def _refuse_full_cudagraph(info: ModelInfo) -> None:
-    mode = info["cudagraph_mode"]
-    if "FULL" in mode and "DECODE_ONLY" not in mode and "PIECEWISE" not in mode:
-        raise EngineNotGuardableError(
-            f"cudagraph_mode {mode} replays prefill as a full CUDA graph, where the probe "
-            "cannot run; use the default FULL_AND_PIECEWISE, PIECEWISE, or enforce_eager=True"
-        )
 
 
 FINALIZE_LOCK_WAIT_S = 30.0
@@ -109,29 +94,19 @@ class HookedLLM:
         probe_heads: Sequence[HeadKey] | str | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        if "worker_extension_cls" in engine_kwargs:
-            raise ConfigError(
-                "worker_extension_cls is set by HookedLLM (the probe lives there); "
-                "remove it from the engine arguments"
-            )
+        arguments = engine_arguments(engine_kwargs)
         if model is None:
             from guardrail.embedded import embedded_model_path
 
             model = embedded_model_path()
         self.model = str(model)
         self.config = resolve_config(self.model, probe_config)
-        _check_sizes_from_files(self.model, self.config)
+        check_sizes_from_files(self.model, self.config)
         from vllm import LLM
 
-        processors = [*(engine_kwargs.pop("logits_processors", None) or []), STOP_PROCESSOR]
         self._handle = EngineHandle()
         self._finalizer = weakref.finalize(self, self._handle.close, FINALIZE_LOCK_WAIT_S)
-        self._handle.llm = llm = LLM(
-            model=self.model,
-            worker_extension_cls=WORKER_EXTENSION,
-            logits_processors=processors,
-            **engine_kwargs,
-        )
+        self._handle.llm = llm = LLM(model=self.model, **arguments)
         try:  # from here on, any failure or Ctrl-C closes the engine before propagating
             self._handle.watch()
             self._tokenizer = llm.get_tokenizer()
@@ -160,20 +135,8 @@ class HookedLLM:
         with self._engine_call() as llm:
             info: ModelInfo = llm.collective_rpc(RPC_MODEL_INFO)[0]
         self.model_info = info
-        _refuse_full_cudagraph(info)
-        self.config.check_fits(info["num_layers"], info["num_heads"])
-        self.config.check_model(self.model, info)  # sizes must match; another id warns
-        if probe_heads == "all":
-            heads = [
-                (lay, h) for lay in range(info["num_layers"]) for h in range(info["num_heads"])
-            ]
-        elif probe_heads is not None:
-            heads = [(int(h[0]), int(h[1])) for h in probe_heads]
-            ModelProbeConfig(model_id="override", heads=heads).check_fits(
-                info["num_layers"], info["num_heads"]
-            )
-        else:
-            heads = list(self.config.heads)
+        check_served_model(info, self.config, self.model)  # sizes must match; another id warns
+        heads = heads_to_score(self.config, info, probe_heads)
         self.probe_heads: list[HeadKey] = heads
         self.probe = ProbeClient(
             self.config, tp_size=info["tp_size"], stop_token=self.tokenizer.eos_token_id
@@ -192,14 +155,7 @@ class HookedLLM:
 
     def _self_test(self) -> None:
         """Refuse to run unguarded: one real request must come back scored."""
-        out = self.generate([("Reply with OK.", "self test")], self.sampling(max_tokens=1))[0]
-        if out.probe is None or out.probe.error is not None or out.probe.focus is None:
-            reason = out.probe.error if out.probe else out.error
-            raise EngineNotGuardableError(
-                f"the probe did not fire in this engine configuration ({reason}); this happens "
-                "when the attention implementation runs inside a captured graph. Start the "
-                "engine with enforce_eager=True."
-            )
+        check_self_test(self.generate([SELF_TEST_REQUEST], self.sampling(max_tokens=1))[0])
 
     @staticmethod
     def sampling(**kwargs: Any) -> Any:

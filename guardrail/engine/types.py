@@ -16,7 +16,7 @@ import math
 import numbers
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,6 +32,7 @@ __all__ = [
     "FOCUS",
     "STOP_IS",
     "GuardEngine",
+    "GuardedChunk",
     "GuardedOutput",
     "ProbeResult",
     "is_stop_value",
@@ -75,6 +76,25 @@ class GuardedOutput:
     probe: ProbeResult | None = None
     error: GuardrailError | None = None
     steering: SteeringReport | None = None  # set for steered requests
+
+
+@dataclass(frozen=True)
+class GuardedChunk:
+    """One step of a streamed request (``AsyncHookedLLM.stream``): the text and token ids new
+    since the previous chunk. The first chunk also carries the rendered ``prompt``, the
+    ``probe`` result and ``num_cached_tokens``; later chunks have them None (0)."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    prompt: PreparedPrompt | None = None
+    probe: ProbeResult | None = None
+    num_cached_tokens: int = 0
+
+    def first(self, prompt: PreparedPrompt, probe: ProbeResult, cached: int) -> GuardedChunk:
+        """This chunk as a request's first: with its prompt, probe result and cached tokens."""
+        return replace(self, prompt=prompt, probe=probe, num_cached_tokens=cached)
 
 
 class GuardEngine(Protocol):

@@ -49,6 +49,7 @@ __all__ = [
     "GuardedResult",
     "OnBlock",
     "VerdictObserver",
+    "check_requests",
     "request_ids",
 ]
 
@@ -110,6 +111,18 @@ class GuardedResult:
     @property
     def flagged(self) -> bool:
         return self.verdict is not None and self.verdict.flagged
+
+
+def check_requests(requests: Sequence[RequestLike]) -> int:
+    """The number of requests; refuses a single request or a single chat passed as the list."""
+    if isinstance(requests, str | tuple) or not isinstance(requests, Sequence):
+        raise ConfigError("requests must be a list of requests; wrap a single one in a list")
+    if requests and all(isinstance(r, Mapping) and "role" in r for r in requests):
+        raise ConfigError(
+            "requests looks like one chat (a list of messages); pass a list of "
+            "chats: [[{'role': ...}, ...]]"
+        )
+    return len(requests)
 
 
 def request_ids(

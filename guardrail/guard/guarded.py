@@ -17,13 +17,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from guardrail.engine.types import GuardedOutput, GuardEngine, per_request
 from guardrail.errors import (
-    ConfigError,
     EngineDeadError,
     GuardrailError,
     PromptInjectionBlocked,
@@ -36,6 +35,7 @@ from guardrail.guard.decider import (
     GuardedResult,
     OnBlock,
     VerdictObserver,
+    check_requests,
     request_ids,
 )
 from guardrail.guard.retry import RetryLoop
@@ -261,7 +261,7 @@ class GuardedLLM:
         given_ids: Sequence[str | None] | None,
         scoring: bool,
     ) -> list[GuardedResult]:
-        n = self._check_requests(requests)
+        n = check_requests(requests)
         params = per_request(sampling_params, n, "sampling params")
         ids, errors = request_ids(given_ids, n)
         if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
@@ -315,17 +315,6 @@ class GuardedLLM:
         if not scoring:
             self._retry(requests, sampling_params, params, sets, ids, results)
         return [r for r in results if r is not None]
-
-    @staticmethod
-    def _check_requests(requests: Sequence[RequestLike]) -> int:
-        if isinstance(requests, str | tuple) or not isinstance(requests, Sequence):
-            raise ConfigError("requests must be a list of requests; wrap a single one in a list")
-        if requests and all(isinstance(r, Mapping) and "role" in r for r in requests):
-            raise ConfigError(
-                "requests looks like one chat (a list of messages); pass a list of "
-                "chats: [[{'role': ...}, ...]]"
-            )
-        return len(requests)
 
     def _retry(
         self,

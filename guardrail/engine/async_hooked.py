@@ -1,0 +1,414 @@
+"""``AsyncHookedLLM``: the probe on vLLM's ``AsyncLLM``, the engine behind ``vllm serve``.
+
+Same worker extension, same probe specs, same results as the offline ``HookedLLM``; what changes
+is how results come back. Requests run concurrently, each as its own stream, and a request's
+score is known once its prefill ran, which is when its first output arrives. So a stream's first
+chunk carries the request's ``ProbeResult``: a server can decide before the first token leaves,
+and a request stopped in-engine (``stop_below``) ends right after its prefill as before.
+
+Scores are popped from the workers in batches, never one RPC per request: a ``ResultPopper``
+keeps at most one ``RPC_POP_RESULTS`` call in flight, and that call carries the key of every
+request whose first output arrived while the previous one ran (under load, one pop serves a
+whole engine step's worth of requests; ``popper.calls`` and ``popper.popped`` count them).
+
+Example:
+    >>> async def main():  # doctest: +SKIP
+    ...     async with await AsyncHookedLLM.create(dtype="float32") as llm:
+    ...         async for chunk in llm.stream(("Summarize the email.", "Hi, lunch at noon?")):
+    ...             print(chunk.probe.focus if chunk.probe else "", chunk.text)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from guardrail.engine.client import ProbeClient, checked_probe_keys
+from guardrail.engine.install import (
+    SELF_TEST_REQUEST,
+    check_self_test,
+    check_served_model,
+    check_sizes_from_files,
+    engine_arguments,
+    heads_to_score,
+)
+from guardrail.engine.types import (
+    STOP_IS,
+    GuardedChunk,
+    GuardedOutput,
+    is_stop_value,
+    per_request_checked,
+)
+from guardrail.engine.vllm_client import is_engine_dead_error
+from guardrail.errors import (
+    ConfigError,
+    EngineClosedError,
+    EngineDeadError,
+    EngineNotGuardableError,
+    GuardrailError,
+    RequestError,
+)
+from guardrail.probe.config import ModelProbeConfig, resolve_config
+from guardrail.probe.prompts import PreparedPrompt, RequestLike, prepare_prompt
+from guardrail.probe.scoring import HeadKey
+from guardrail.protocol import (
+    RPC_INSTALL,
+    RPC_MODEL_INFO,
+    RPC_POP_RESULTS,
+    ModelInfo,
+    ProbeResultData,
+)
+
+__all__ = ["AsyncHookedLLM", "ResultPopper"]
+
+PerRank = list[Mapping[str, ProbeResultData]]
+
+
+class ResultPopper:
+    """Pops probe results from the workers in batches (see the module docstring).
+
+    ``rpc`` is the engine's ``collective_rpc`` coroutine. ``pop(key)`` waits for the batch that
+    carries ``key``; ``forget(key)`` pops it without waiting (a request that ended before its
+    first output, so its result, if any, does not stay in the workers).
+    """
+
+    def __init__(self, rpc: Callable[..., Awaitable[PerRank]]) -> None:
+        self._rpc = rpc
+        self._waiting: dict[str, asyncio.Future[PerRank] | None] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.calls = 0
+        self.popped = 0
+
+    async def pop(self, key: str) -> PerRank:
+        future: asyncio.Future[PerRank] = asyncio.get_running_loop().create_future()
+        self._waiting[key] = future
+        self._start()
+        return await future
+
+    def forget(self, key: str) -> None:
+        self._waiting.setdefault(key, None)
+        self._start()
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting, {}
+            try:
+                per_rank: PerRank = await self._rpc(RPC_POP_RESULTS, args=(list(batch),))
+            except Exception as exc:  # every waiter of this batch gets the error
+                for future in batch.values():
+                    if future is not None and not future.done():
+                        future.set_exception(exc)
+                continue
+            self.calls += 1
+            self.popped += len(batch)
+            for future in batch.values():
+                if future is not None and not future.done():
+                    future.set_result(per_rank)
+
+
+class AsyncHookedLLM:
+    """A vLLM ``AsyncLLM`` with the guardrail probe installed in its workers.
+
+    Build it with ``await AsyncHookedLLM.create(model, probe_config, **engine_kwargs)`` (same
+    arguments as ``HookedLLM``; the engine arguments go to vLLM's ``AsyncEngineArgs``). Calls
+    may run concurrently from one event loop: ``stream`` one request, ``generate`` a list.
+    Steering is not available on this engine yet (``steering_vectors`` is empty and
+    ``load_steering_vector`` refuses), so retry policies are refused by the async guard.
+
+    Failures: a request whose engine died raises ``EngineDeadError``; a closed engine raises
+    ``EngineClosedError``. ``close()`` shuts vLLM's engine down.
+    """
+
+    def __init__(self, engine: Any, model: str, config: ModelProbeConfig) -> None:
+        """Use ``create``: this wraps an already started ``AsyncLLM``."""
+        self._engine: Any = engine
+        self.model = model
+        self.config = config
+        self.model_info: ModelInfo
+        self.probe_heads: list[HeadKey] = []
+        self._tokenizer = engine.get_tokenizer()
+        self._max_model_len = engine.model_config.max_model_len
+        self.popper = ResultPopper(engine.collective_rpc)
+
+    @classmethod
+    async def create(
+        cls,
+        model: str | Path | None = None,
+        probe_config: ModelProbeConfig | str | Path | None = None,
+        *,
+        probe_heads: Sequence[HeadKey] | str | None = None,
+        **engine_kwargs: Any,
+    ) -> AsyncHookedLLM:
+        """Start the engine, install the probe, and check one real request comes back scored."""
+        arguments = engine_arguments({"disable_log_stats": True, **engine_kwargs})
+        if model is None:
+            from guardrail.embedded import embedded_model_path
+
+            model = embedded_model_path()
+        config = resolve_config(str(model), probe_config)
+        check_sizes_from_files(str(model), config)
+        from vllm import AsyncEngineArgs, AsyncLLMEngine
+
+        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(model), **arguments))
+        self = cls(engine, str(model), config)
+        try:
+            await self._install(probe_heads)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    async def _install(self, probe_heads: Sequence[HeadKey] | str | None) -> None:
+        info: ModelInfo = (await self.engine.collective_rpc(RPC_MODEL_INFO))[0]
+        self.model_info = info
+        check_served_model(info, self.config, self.model)
+        self.probe_heads = heads_to_score(self.config, info, probe_heads)
+        self.probe = ProbeClient(
+            self.config, tp_size=info["tp_size"], stop_token=self._tokenizer.eos_token_id
+        )
+        try:
+            await self.engine.collective_rpc(
+                RPC_INSTALL,
+                args=([list(h) for h in self.probe_heads], self.config.model_dump(mode="json")),
+            )
+        except ValueError as exc:
+            raise EngineNotGuardableError(str(exc)) from exc
+        out = (await self.generate([SELF_TEST_REQUEST], self.sampling(max_tokens=1)))[0]
+        check_self_test(out)
+
+    @property
+    def engine(self) -> Any:
+        """vLLM's ``AsyncLLM``; raises ``EngineClosedError`` once closed."""
+        if self._engine is None:
+            raise EngineClosedError("the engine is closed")
+        return self._engine
+
+    # -- the GuardEngine facts the guard reads ---------------------------------------------------
+    @property
+    def stop_token(self) -> int | None:
+        """The token an early-stopped request ends with (the tokenizer's eos)."""
+        return self.probe.stop_token
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def steering_vectors(self) -> dict[str, Any]:
+        return {}
+
+    def load_steering_vector(self, vector: Any) -> Any:
+        raise EngineNotGuardableError(
+            "steering is not available on the async engine yet; use HookedLLM (offline) for "
+            "retry_with_steering policies"
+        )
+
+    @staticmethod
+    def sampling(**kwargs: Any) -> Any:
+        """vLLM ``SamplingParams`` with greedy decoding unless ``kwargs`` say otherwise."""
+        from vllm import SamplingParams
+
+        return SamplingParams(**{"temperature": 0.0, **kwargs})
+
+    def prepare(self, request: RequestLike) -> PreparedPrompt:
+        """Render one request into token ids and spans (raises ``RequestError`` if invalid)."""
+        return prepare_prompt(request, self._tokenizer, max_tokens=self._max_model_len)
+
+    # -- requests --------------------------------------------------------------------------------
+    async def stream(
+        self,
+        request: RequestLike,
+        sampling_params: Any | None = None,
+        *,
+        stop_below: float | None = None,
+        stop_on_probe_error: bool = True,
+        probe_key: str | None = None,
+    ) -> AsyncGenerator[GuardedChunk, None]:
+        """Generate one request, chunk by chunk (the text and token ids new since the last
+        chunk). The first chunk carries the rendered ``prompt`` and the ``probe`` result, and
+        arrives right after the prefill; ``stop_below`` ends the request there, inside the
+        engine, when its focus is at or below the value (see ``HookedLLM.generate``).
+
+        Raises ``RequestError`` for an invalid request or argument (before anything runs),
+        ``EngineDeadError`` or ``EngineClosedError`` when the engine cannot answer.
+        """
+        prompt, params, key = self._request(
+            request, sampling_params, stop_below, stop_on_probe_error, probe_key
+        )
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.DELTA
+        popped = False
+        try:
+            outputs = self.engine.generate(
+                TokensPrompt(prompt_token_ids=prompt.token_ids), params, f"guardrail-{key}"
+            )
+            first = True
+            async for out in outputs:
+                completion = out.outputs[0]
+                chunk = GuardedChunk(
+                    text=completion.text,
+                    token_ids=list(completion.token_ids),
+                    finished=out.finished,
+                    finish_reason=completion.finish_reason,
+                )
+                if first:
+                    if list(out.prompt_token_ids or []) != prompt.token_ids:
+                        raise GuardrailError(
+                            "the engine returned the output of another request; not used"
+                        )
+                    popped = True
+                    probe = self.probe.result(await self.popper.pop(key), key)
+                    chunk = chunk.first(prompt, probe, int(out.num_cached_tokens or 0))
+                    first = False
+                yield chunk
+        except Exception as exc:
+            if is_engine_dead_error(exc) or (self._engine is not None and self._engine.errored):
+                raise EngineDeadError(f"the vLLM engine died: {exc}") from exc
+            raise
+        finally:
+            if not popped and self._engine is not None:
+                self.popper.forget(key)
+
+    def _request(
+        self,
+        request: RequestLike,
+        sampling_params: Any,
+        stop_below: Any,
+        stop_on_probe_error: Any,
+        probe_key: str | None,
+    ) -> tuple[PreparedPrompt, Any, str]:
+        """Check one request's arguments and build its prompt, params (with the probe spec)
+        and probe key. Raises ``RequestError`` naming what was wrong."""
+        if self.engine.errored:
+            raise EngineDeadError(f"the vLLM engine is dead: {self.engine.dead_error}")
+        from vllm import SamplingParams
+
+        params = self.sampling(max_tokens=64) if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(
+                f"sampling params must be a vllm.SamplingParams, not {type(params).__name__}"
+            )
+        if not is_stop_value(stop_below):
+            raise RequestError(f"stop_below must be {STOP_IS}")
+        if not isinstance(stop_on_probe_error, bool):
+            raise RequestError("stop_on_probe_error must be True or False")
+        if probe_key is not None and (not isinstance(probe_key, str) or not probe_key):
+            raise RequestError("probe_key must be a non-empty string (or None for a fresh key)")
+        key = probe_key or uuid.uuid4().hex
+        prepared = self.prepare(request)
+        try:
+            spec = self.probe.spec(prepared, key, params, stop_below, stop_on_probe_error)
+        except ConfigError as exc:
+            raise RequestError(str(exc)) from exc
+        return prepared, self.probe.attach(params, spec), key
+
+    async def generate(
+        self,
+        requests: Sequence[RequestLike],
+        sampling_params: Any | Sequence[Any] | None = None,
+        *,
+        stop_below: float | Sequence[float | None] | None = None,
+        stop_on_probe_error: bool | Sequence[bool] = True,
+        probe_keys: Sequence[str | None] | None = None,
+    ) -> list[GuardedOutput]:
+        """Generate every request concurrently; one ``GuardedOutput`` per request, in order.
+
+        The same arguments and per-request failures as ``HookedLLM.generate`` (an invalid
+        request or list entry gets an output with ``error`` set and the others are answered).
+        Raises ``EngineDeadError`` when the engine dies.
+        """
+        if isinstance(requests, str | tuple):
+            raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
+        n = len(requests)
+        errors: dict[int, GuardrailError] = {}
+        from vllm import SamplingParams
+
+        if sampling_params is None:
+            params: list[Any] = [None] * n
+        else:
+            valid = lambda p: isinstance(p, SamplingParams)  # noqa: E731
+            params = per_request_checked(
+                sampling_params, n, "sampling params", valid, "a vllm.SamplingParams", errors
+            )
+        stops = per_request_checked(stop_below, n, "stop_below", is_stop_value, STOP_IS, errors)
+        on_error = per_request_checked(
+            stop_on_probe_error,
+            n,
+            "stop_on_probe_error",
+            lambda v: isinstance(v, bool),
+            "True or False",
+            errors,
+        )
+        keys = checked_probe_keys(probe_keys, n, errors)
+
+        async def one(i: int) -> GuardedOutput:
+            if i in errors:
+                return GuardedOutput(index=i, prompt=None, error=errors[i])
+            try:
+                return await self._collect(
+                    i, requests[i], params[i], stops[i], on_error[i], keys[i]
+                )
+            except RequestError as exc:
+                return GuardedOutput(
+                    index=i, prompt=None, error=RequestError(f"request {i}: {exc}")
+                )
+
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+    async def _collect(
+        self,
+        index: int,
+        request: RequestLike,
+        params: Any,
+        stop_below: float | None,
+        stop_on_probe_error: bool,
+        key: str | None,
+    ) -> GuardedOutput:
+        text: list[str] = []
+        token_ids: list[int] = []
+        first: GuardedChunk | None = None
+        finish_reason = None
+        async for chunk in self.stream(
+            request,
+            params,
+            stop_below=stop_below,
+            stop_on_probe_error=stop_on_probe_error,
+            probe_key=key,
+        ):
+            first = first or chunk
+            text.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
+            finish_reason = chunk.finish_reason
+        if first is None:  # vLLM yields at least one output per request
+            raise GuardrailError(f"request {index}: the engine returned no output")
+        return GuardedOutput(
+            index=index,
+            prompt=first.prompt,
+            text="".join(text),
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            num_cached_tokens=first.num_cached_tokens,
+            probe=first.probe,
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Shut vLLM's engine down (idempotent)."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    async def __aenter__(self) -> AsyncHookedLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

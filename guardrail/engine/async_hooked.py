@@ -21,6 +21,9 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
+import gc
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -65,6 +68,15 @@ from guardrail.protocol import (
 __all__ = ["AsyncHookedLLM", "ResultPopper"]
 
 PerRank = list[Mapping[str, ProbeResultData]]
+
+
+@functools.cache
+def _collect_before_exit() -> None:
+    """vLLM's ``AsyncLLM`` shuts down again when it is collected, and a closed one often lives
+    on in a reference cycle (its cancelled output task) until the interpreter exits, where that
+    second shutdown fails on torn-down modules ("Exception ignored in AsyncLLM.__del__").
+    Collecting at ``atexit`` (before modules are torn down) avoids it. Registered once."""
+    atexit.register(gc.collect)
 
 
 class ResultPopper:
@@ -135,7 +147,7 @@ class AsyncHookedLLM:
         self.probe_heads: list[HeadKey] = []
         self._tokenizer = engine.get_tokenizer()
         self._max_model_len = engine.model_config.max_model_len
-        self.popper = ResultPopper(engine.collective_rpc)
+        self.popper = ResultPopper(self._rpc)
 
     @classmethod
     async def create(
@@ -156,8 +168,8 @@ class AsyncHookedLLM:
         check_sizes_from_files(str(model), config)
         from vllm import AsyncEngineArgs, AsyncLLMEngine
 
-        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(model), **arguments))
-        self = cls(engine, str(model), config)
+        args = AsyncEngineArgs(model=str(model), **arguments)
+        self = cls(AsyncLLMEngine.from_engine_args(args), str(model), config)
         try:
             await self._install(probe_heads)
         except BaseException:
@@ -182,6 +194,9 @@ class AsyncHookedLLM:
             raise EngineNotGuardableError(str(exc)) from exc
         out = (await self.generate([SELF_TEST_REQUEST], self.sampling(max_tokens=1)))[0]
         check_self_test(out)
+
+    async def _rpc(self, method: str, **kwargs: Any) -> Any:
+        return await self.engine.collective_rpc(method, **kwargs)
 
     @property
     def engine(self) -> Any:
@@ -406,6 +421,8 @@ class AsyncHookedLLM:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
+            del engine
+            _collect_before_exit()
 
     async def __aenter__(self) -> AsyncHookedLLM:
         return self

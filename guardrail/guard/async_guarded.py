@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,8 @@ class AsyncGuardedLLM:
     """A guarded ``AsyncHookedLLM``: ``stream`` one request, or ``generate`` a list.
 
     Arguments are those of ``GuardedLLM``; build it with ``await AsyncGuardedLLM.create(...)``
-    (starts an engine this guard closes) or ``AsyncGuardedLLM(engine, ...)`` (a shared engine).
+    (starts an engine this guard closes) or ``AsyncGuardedLLM(engine, ...)`` (a shared engine;
+    ``owns_engine=True`` makes ``close()`` close it too).
     Concurrent calls from one event loop are the normal use: vLLM batches them.
     """
 
@@ -92,6 +93,7 @@ class AsyncGuardedLLM:
         metrics: VerdictObserver | None = None,
         early_block: bool = True,
         model_name: str | None = None,
+        owns_engine: bool = False,
     ) -> None:
         self.decider = Decider(
             engine.config,
@@ -104,7 +106,7 @@ class AsyncGuardedLLM:
         )
         _refuse_retries(self.decider.policies)
         self.engine = engine
-        self._owns_engine = False
+        self._owns_engine = owns_engine
 
     @classmethod
     async def create(
@@ -161,7 +163,7 @@ class AsyncGuardedLLM:
         *,
         policies: Sequence[PolicyLike] | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[GuardedStreamChunk]:
+    ) -> AsyncGenerator[GuardedStreamChunk, None]:
         """Generate one request under the policies, chunk by chunk, the verdict first.
 
         The first chunk carries the verdict and arrives right after the prefill. A blocked

@@ -355,3 +355,44 @@ def test_metrics_multiprocess(tiny_args: TinyArgs) -> None:
         a: float(actions.count(a)) for a in ("allow", "flag", "retry_with_steering", "block")
     }, out
     assert "guardrail_requests_in_flight" not in out, out
+
+
+# -- the guarded OpenAI-compatible server, from the openai client ------------------------------
+
+CLIENT_LINE = re.compile(r"^(allow|block) (\d\.\d{3})", re.MULTILINE)
+
+
+@pytest.mark.slow  # its own engine start, behind guardrail-serve
+def test_openai_client_against_guardrail_serve(tiny_args: TinyArgs, tmp_path: Path) -> None:
+    threshold = 0.25
+    port, log = _free_port(), tmp_path / "serve.log"
+    command = [sys.executable, "-m", "guardrail.integrations.serving", *tiny_args(threshold)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*command, "--port", str(port), "--served-model-name", "tiny"],
+            cwd=ROOT,
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            assert proc.poll() is None, f"the server exited:\n{log.read_text()[-6000:]}"
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                httpx.get(f"{url}/health", timeout=5).raise_for_status()
+                break
+            except httpx.HTTPError:
+                time.sleep(2)
+        out = run_example("openai_client.py", "--base-url", f"{url}/v1")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    decisions = [(a, float(f)) for a, f in CLIENT_LINE.findall(out)]
+    assert len(decisions) == 2, out
+    for action, focus in decisions:
+        assert action == ("block" if focus <= threshold else "allow"), out
+    assert re.search(r"^stream allow '.+'$", out, re.MULTILINE), out
+    assert "Traceback" not in log.read_text(), log.read_text()[-6000:]

@@ -38,6 +38,7 @@ BLOCKS: dict[tuple[str, int, str], str] = {
     ("docs/metrics.md", 2, "@asynccontextmanager"): "guarded_service.py",
     ("docs/metrics.md", 3, "# gunicorn.conf.py"): "metrics_multiprocess.py",
     ("docs/steering.md", 1, "from vllm import SamplingParams"): "steering_retry.py",
+    ("docs/serving.md", 1, "client = openai.OpenAI("): "openai_client.py",
 }
 
 WHAT_TO_DO = (

@@ -81,8 +81,9 @@ def checked_probe_keys(
 class ProbeClient:
     """Builds probe specs and turns the workers' results into ``ProbeResult``s.
 
-    ``tp_size`` is the engine's tensor-parallel size (early stops need every head on one rank);
-    ``stop_token`` the token a stopped request is ended with (the tokenizer's eos).
+    ``tp_size`` is the engine's tensor-parallel size (each rank scores its own heads, and the
+    ranks exchange them before deciding early stops); ``stop_token`` the token a stopped request
+    is ended with (the tokenizer's eos).
     """
 
     def __init__(self, config: ModelProbeConfig, *, tp_size: int, stop_token: int | None) -> None:
@@ -107,11 +108,6 @@ class ProbeClient:
         }
         if stop_below is None:
             return spec
-        if self.tp_size != 1:
-            raise ConfigError(
-                "early stop (stop_below) needs the whole probe on one rank; it is "
-                "not supported with tensor_parallel_size > 1 yet"
-            )
         if getattr(params, "min_tokens", 0):
             raise ConfigError("stop_below cannot end a request that sets min_tokens > 0")
         if self.stop_token is None:

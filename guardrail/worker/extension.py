@@ -80,8 +80,9 @@ class GuardrailWorkerExtension:
     def guardrail_install(self, heads: list[list[int]], config: dict[str, Any]) -> ModelInfo:
         """Install the probe on the layers holding ``heads`` ([layer, head], global indices).
 
-        ``config`` is the model's ``ModelProbeConfig`` as plain data: with every head on this
-        rank, the worker combines head scores into the focus itself (for early stops).
+        ``config`` is the model's ``ModelProbeConfig`` as plain data: the worker combines head
+        scores into the focus itself, for early stops (with tensor parallelism, after the ranks
+        exchanged their heads).
         """
         self.guardrail_uninstall()
         info = self.guardrail_model_info()
@@ -90,7 +91,7 @@ class GuardrailWorkerExtension:
                 f"quantized KV cache ({info['kv_cache_dtype']}) is not supported by "
                 "the probe: keys read back would be quantized; use kv_cache_dtype='auto'"
             )
-        whole = ModelProbeConfig.model_validate(config) if info["tp_size"] == 1 else None
+        whole = ModelProbeConfig.model_validate(config)
         probe = install_probe(
             self.model_runner,
             self._attention_layers(),

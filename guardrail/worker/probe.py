@@ -27,7 +27,7 @@ import torch
 
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.kv_layout import KeyGather, key_gather_for
-from guardrail.probe.scoring import HeadKey, head_attention_stats, spans_to_mask
+from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, head_attention_stats, spans_to_mask
 from guardrail.protocol import MAX_STORED_RESULTS, PROBE_ARG, ProbeResultData, ProbeSpec
 
 __all__ = ["PROBES", "Layer", "Probe", "install_probe", "make_probe_forward", "uninstall_probe"]
@@ -163,6 +163,10 @@ class Probe:
             try:
                 if row.key in self.fault_keys:
                     raise RuntimeError("fault injected for testing")
+                if not layer.global_heads:  # hooked only to finish in step with the other ranks
+                    width = len(ATTENTION_STATS)
+                    row.scores.append(query.new_empty((0, width), dtype=torch.float32))
+                    continue
                 keys = self.gather(kv_cache, row.block_ids, row.num_prompt_tokens)
                 if not torch.allclose(keys[-1], key[row.token_row], rtol=1e-3, atol=1e-3):
                     raise RuntimeError(
@@ -189,30 +193,71 @@ class Probe:
         return torch.div(layer.local_heads, group, rounding_mode="floor")
 
     def finish_step(self) -> None:
-        """After the last hooked layer: one transfer for all rows, results stored by key."""
+        """After the last hooked layer: one transfer for all rows, results stored by key. With
+        tensor parallelism every rank calls this in the same step (they hook the same layers)
+        and the ranks combine their heads first, so each holds every head's stats."""
         rows, self.rows = self.rows, []
-        ok = [r for r in rows if r.error is None]
-        values = torch.cat([torch.cat(r.scores) for r in ok]).tolist() if ok else []
-        heads = [(lay.index, h) for lay in self.layers.values() for h in lay.global_heads]
+        stats = self._row_stats(rows)
+        if self.tp_size > 1:
+            stats = self._combine_ranks(rows, stats)
         latency = self.probe_seconds
-        offset = 0
-        for row in rows:
+        for row, scores in zip(rows, stats, strict=True):
             result: ProbeResultData = {
                 "num_prompt_tokens": row.num_prompt_tokens,
                 "probe_seconds": latency / max(len(rows), 1),
             }
-            if row.error is None:
-                chunk = values[offset : offset + len(heads)]
-                offset += len(heads)
-                result["heads"] = [[lay, h, s] for (lay, h), s in zip(heads, chunk, strict=True)]
+            if row.error is None and scores is not None:
+                result["heads"] = [[lay, h, s] for (lay, h), s in scores.items()]
             else:
-                result["error"] = row.error
-            self._decide_stop(
-                row, result, dict(zip(heads, chunk, strict=True)) if row.error is None else None
-            )
+                result["error"] = row.error or "probe: no score"
+            self._decide_stop(row, result, scores if row.error is None else None)
             self.results[row.key] = result
         while len(self.results) > MAX_STORED_RESULTS:
             self.results.popitem(last=False)
+
+    def _row_stats(self, rows: list[_Row]) -> list[dict[HeadKey, list[float]] | None]:
+        """This rank's head stats per row (None for a row that failed), in one transfer."""
+        heads = [(lay.index, h) for lay in self.layers.values() for h in lay.global_heads]
+        ok = [r for r in rows if r.error is None]
+        values = torch.cat([torch.cat(r.scores) for r in ok]).tolist() if ok else []
+        stats: list[dict[HeadKey, list[float]] | None] = []
+        offset = 0
+        for row in rows:
+            if row.error is not None:
+                stats.append(None)
+                continue
+            stats.append(dict(zip(heads, values[offset : offset + len(heads)], strict=True)))
+            offset += len(heads)
+        return stats
+
+    def _combine_ranks(
+        self, rows: list[_Row], stats: list[dict[HeadKey, list[float]] | None]
+    ) -> list[dict[HeadKey, list[float]] | None]:
+        """Every rank's heads for every row, by one all-reduce over the tensor-parallel group:
+        each rank writes its own heads into a zeroed table (x + 0 is exact, so the sum equals
+        the values) and a failure flag; a row that failed on any rank fails on all."""
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        index = {head: i for i, head in enumerate(self.heads)}
+        width = len(ATTENTION_STATS)
+        table = torch.zeros(len(rows), len(self.heads) * width + 1, dtype=torch.float32)
+        for r, got in enumerate(stats):
+            if got is None:
+                table[r, -1] = 1.0
+                continue
+            for head, values in got.items():
+                i = index[head]
+                table[r, i * width : (i + 1) * width] = torch.tensor(values)
+        table = tensor_model_parallel_all_reduce(table.to(self.device)).cpu()
+        combined: list[dict[HeadKey, list[float]] | None] = []
+        for r, row in enumerate(rows):
+            if table[r, -1].item() > 0:
+                row.error = row.error or "probe: another tensor-parallel rank failed to score"
+                combined.append(None)
+                continue
+            per_head: list[list[float]] = table[r, :-1].view(len(self.heads), width).tolist()
+            combined.append({head: per_head[i] for head, i in index.items()})
+        return combined
 
     def _decide_stop(
         self, row: _Row, result: ProbeResultData, scores: dict[HeadKey, list[float]] | None
@@ -237,7 +282,9 @@ class Probe:
 
     block_size: int = 0
     local_num_heads: int = 0
-    config: ModelProbeConfig | None = None  # when this rank holds every head (stop decisions)
+    tp_size: int = 1
+    device: Any = "cpu"
+    config: ModelProbeConfig | None = None  # combines head scores into the focus (stops)
 
 
 def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:
@@ -263,14 +310,12 @@ def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:
         try:
             if probe.plan(runner, get_forward_context(), attn_metadata):
                 probe.score_layer(layer, query, kv_cache, key)
-                if layer.index == probe.last_layer:
-                    probe.probe_seconds += time.perf_counter() - started
-                    probe.finish_step()
-                    return out
         except Exception as exc:  # a bug here must not take the engine down
             for row in probe.rows:
                 row.error = row.error or f"probe: {type(exc).__name__}: {exc}"
         probe.probe_seconds += time.perf_counter() - started
+        if probe.rows and layer.index == probe.last_layer:
+            probe.finish_step()  # reached on every rank alike: tensor-parallel ranks combine here
         return out
 
     return forward
@@ -284,16 +329,20 @@ def install_probe(
     fault_keys: set[str],
     config: ModelProbeConfig | None,
 ) -> Probe:
-    """Wrap ``impl.forward`` of every attention layer holding one of this rank's ``heads``
-    (global indices); ``config`` (every head on this rank) lets the worker decide early stops."""
+    """Wrap ``impl.forward`` of every attention layer holding one of ``heads`` (global indices;
+    this rank scores those among its own query heads); ``config`` combines head scores into the
+    focus, for early stops. With tensor parallelism every rank hooks the same layers, also those
+    where it holds none of the heads, so all ranks finish a step's probe together."""
     per_rank = info["num_heads"] // info["tp_size"]
     lo = info["tp_rank"] * per_rank
     probe = Probe(heads, fault_keys)
     probe.block_size, probe.local_num_heads, probe.config = info["block_size"], per_rank, config
+    probe.tp_size, probe.device = info["tp_size"], runner.device
     by_layer: dict[int, list[int]] = {}
     for layer_index, head in heads:
+        local = by_layer.setdefault(layer_index, [])
         if lo <= head < lo + per_rank:
-            by_layer.setdefault(layer_index, []).append(head)
+            local.append(head)
     for layer_index, global_heads in sorted(by_layer.items()):
         module = attention_layers[layer_index]
         probe.gather = key_gather_for(type(module.impl).__name__, getattr(module, "isa", None))

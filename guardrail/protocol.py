@@ -138,5 +138,6 @@ class ModelInfo(TypedDict):
     cudagraph_mode: str
     tp_rank: int
     tp_size: int
+    pp_size: int
     device: str
     hooked_layers: NotRequired[list[int]]

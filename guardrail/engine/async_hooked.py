@@ -183,7 +183,10 @@ class AsyncHookedLLM:
         check_served_model(info, self.config, self.model)
         self.probe_heads = heads_to_score(self.config, info, probe_heads)
         self.probe = ProbeClient(
-            self.config, tp_size=info["tp_size"], stop_token=self._tokenizer.eos_token_id
+            self.config,
+            tp_size=info["tp_size"],
+            pp_size=info["pp_size"],
+            stop_token=self._tokenizer.eos_token_id,
         )
         try:
             await self.engine.collective_rpc(

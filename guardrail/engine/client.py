@@ -83,12 +83,16 @@ class ProbeClient:
 
     ``tp_size`` is the engine's tensor-parallel size (each rank scores its own heads, and the
     ranks exchange them before deciding early stops); ``stop_token`` the token a stopped request
-    is ended with (the tokenizer's eos).
+    is ended with (the tokenizer's eos); ``pp_size`` the pipeline-parallel size (stages score
+    their own layers; early stops are refused).
     """
 
-    def __init__(self, config: ModelProbeConfig, *, tp_size: int, stop_token: int | None) -> None:
+    def __init__(
+        self, config: ModelProbeConfig, *, tp_size: int, stop_token: int | None, pp_size: int = 1
+    ) -> None:
         self.config = config
         self.tp_size = tp_size
+        self.pp_size = pp_size
         self.stop_token = stop_token
 
     def spec(
@@ -108,6 +112,11 @@ class ProbeClient:
         }
         if stop_below is None:
             return spec
+        if self.pp_size != 1:
+            raise ConfigError(
+                "early stop (stop_below) needs every layer's heads in one pipeline stage; with "
+                "pipeline_parallel_size > 1 requests are scored, and blocked after generation"
+            )
         if getattr(params, "min_tokens", 0):
             raise ConfigError("stop_below cannot end a request that sets min_tokens > 0")
         if self.stop_token is None:

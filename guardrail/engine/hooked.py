@@ -139,7 +139,10 @@ class HookedLLM:
         heads = heads_to_score(self.config, info, probe_heads)
         self.probe_heads: list[HeadKey] = heads
         self.probe = ProbeClient(
-            self.config, tp_size=info["tp_size"], stop_token=self.tokenizer.eos_token_id
+            self.config,
+            tp_size=info["tp_size"],
+            pp_size=info["pp_size"],
+            stop_token=self.tokenizer.eos_token_id,
         )
         serial = self._handle.serial_llm(self.tokenizer)
         self.steering = SteeringClient(serial, self.config.model_id, info, self.prepare)

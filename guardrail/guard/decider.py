@@ -40,6 +40,7 @@ from guardrail.policy.reading import Reading
 from guardrail.policy.verdict import Action, FailureMode, Verdict
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import RequestLike, request_segments
+from guardrail.protocol import ModelInfo
 
 __all__ = [
     "BLOCKED_FINISH_REASON",
@@ -71,6 +72,8 @@ class VerdictObserver(Protocol):
 
 class StopFacts(Protocol):
     """What a stop plan needs to know of the engine (``GuardEngine`` and the async engine)."""
+
+    model_info: ModelInfo
 
     @property
     def stop_token(self) -> int | None: ...
@@ -216,9 +219,13 @@ class Decider:
         if scoring or not self.early_block or not policies:
             return None, False
         # The in-engine stop ends a request with its eos token: it cannot honour min_tokens or
-        # ignore_eos. Such requests are blocked after generation instead (their text is still
-        # never delivered).
-        if bool(getattr(params, "min_tokens", 0)) or getattr(params, "ignore_eos", False):
+        # ignore_eos, nor decide before the last pipeline stage scored. Such requests are
+        # blocked after generation instead (their text is still never delivered).
+        if (
+            engine.model_info["pp_size"] != 1
+            or bool(getattr(params, "min_tokens", 0))
+            or getattr(params, "ignore_eos", False)
+        ):
             return None, False
         if engine.stop_token is None:
             return None, False

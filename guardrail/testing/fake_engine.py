@@ -81,6 +81,7 @@ class FakeEngine:
             "cudagraph_mode": "NONE",
             "tp_rank": 0,
             "tp_size": 1,
+            "pp_size": 1,
             "device": "cpu",
         }
         self.faults: set[str] = set()

@@ -59,6 +59,7 @@ class GuardrailWorkerExtension:
             "cudagraph_mode": str(getattr(vcfg.compilation_config, "cudagraph_mode", None)),
             "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp_size": parallel_state.get_pp_group().world_size,
             "device": str(self.model_runner.device),
         }
 

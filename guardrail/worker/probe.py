@@ -264,7 +264,7 @@ class Probe:
     ) -> None:
         """Early stop: a request whose focus is at or below its ``stop_below`` ends right after
         prefill (its first sampled token is forced to its stop token)."""
-        if row.stop_below is None:
+        if row.stop_below is None or self.pp_size > 1:
             return
         if scores is None or self.config is None:
             stop = row.stop_on_error
@@ -283,6 +283,7 @@ class Probe:
     block_size: int = 0
     local_num_heads: int = 0
     tp_size: int = 1
+    pp_size: int = 1
     device: Any = "cpu"
     config: ModelProbeConfig | None = None  # combines head scores into the focus (stops)
 
@@ -335,9 +336,12 @@ def install_probe(
     where it holds none of the heads, so all ranks finish a step's probe together."""
     per_rank = info["num_heads"] // info["tp_size"]
     lo = info["tp_rank"] * per_rank
+    # With pipeline parallelism this stage holds some layers only: it scores their heads, and
+    # the caller merges the stages' results (early stops need every layer: refused by the caller).
+    heads = [(layer, head) for layer, head in heads if layer in attention_layers]
     probe = Probe(heads, fault_keys)
     probe.block_size, probe.local_num_heads, probe.config = info["block_size"], per_rank, config
-    probe.tp_size, probe.device = info["tp_size"], runner.device
+    probe.tp_size, probe.pp_size, probe.device = info["tp_size"], info["pp_size"], runner.device
     by_layer: dict[int, list[int]] = {}
     for layer_index, head in heads:
         local = by_layer.setdefault(layer_index, [])

@@ -423,3 +423,9 @@ def test_alerts_fire_on_synthetic_series(tmp_path):
         )
     )
     assert "SUCCESS" in promtool("test", "rules", str(path))
+
+
+@needs_promtool
+def test_promtool_accepts_the_replica_scrape_config() -> None:
+    config = ROOT / "monitoring" / "prometheus-replicas.yml"
+    assert "SUCCESS" in promtool("check", "config", "--syntax-only", str(config))

@@ -8,7 +8,8 @@ tool (and assistant) messages are data, as in ``guardrail.probe.prompts``.
 
 Streaming: ``vllm.LLM.generate`` is not incremental, so ``stream``/``astream`` generate the whole
 answer, decide, and then emit it in word-sized chunks (token callbacks fire per chunk); a
-blocked call raises before the first chunk.
+blocked call raises before the first chunk. ``AsyncGuardedChatModel`` (on vLLM's ``AsyncLLM``)
+streams tokens as they are generated.
 
 Standard LangChain constructor arguments are accepted (the standard test suite,
 ``langchain-tests``, passes; see docs/langchain.md): ``max_tokens``, ``temperature``, ``stop``,

@@ -3,6 +3,8 @@
 - ``GuardedChatModel``: a chat model backed by a ``GuardedLLM``; the probe runs inside the
   serving model, the verdict travels in ``response_metadata["guardrail"]``, a block raises
   ``GuardrailBlockedError`` (a ``LangChainException``, so ``with_fallbacks`` can catch it).
+- ``AsyncGuardedChatModel``: the same on the ``AsyncGuardedLLM`` (vLLM's ``AsyncLLM``), streaming
+  tokens as they are generated, the verdict on the first chunk.
 - ``GuardedRunnable`` (or ``guard_chain``): wrap any runnable; name the untrusted inputs, and its
   guarded model calls treat exactly those spans as data; the policy acts on the whole chain.
 - ``InputGuard``: for a remote model, score (instruction, untrusted data) locally first.
@@ -30,6 +32,7 @@ except ImportError as exc:  # pragma: no cover - tests/unit/test_core_without_la
         "pip install 'vllm-guardrail[langchain]'"
     ) from exc
 
+from ._lc_async_chat_model import AsyncGuardedChatModel
 from ._lc_chat_model import METADATA_KEY, GuardedChatModel, GuardedChatModelBase
 from ._lc_input_guard import InputGuard, guard_chain
 from ._lc_marking import mark_untrusted, to_guardrail_messages
@@ -40,6 +43,7 @@ __all__ = [
     "CHAIN_METADATA_KEY",
     "METADATA_KEY",
     "VERDICT_EVENT",
+    "AsyncGuardedChatModel",
     "ChainVerdict",
     "GuardedChatModel",
     "GuardedChatModelBase",

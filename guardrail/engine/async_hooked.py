@@ -141,6 +141,7 @@ class AsyncHookedLLM:
     def __init__(self, engine: Any, model: str, config: ModelProbeConfig) -> None:
         """Use ``create``: this wraps an already started ``AsyncLLM``."""
         self._engine: Any = engine
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop vLLM's output task runs on
         self.model = model
         self.config = config
         self.model_info: ModelInfo
@@ -170,6 +171,7 @@ class AsyncHookedLLM:
 
         args = AsyncEngineArgs(model=str(model), **arguments)
         self = cls(AsyncLLMEngine.from_engine_args(args), str(model), config)
+        self.loop = asyncio.get_running_loop()
         try:
             await self._install(probe_heads)
         except BaseException:

@@ -250,3 +250,44 @@ def test_retry_policies_are_refused_on_the_async_engine(async_engine: Any, run: 
     guard = AsyncGuardedLLM(async_engine, [{"threshold": 0.0}])
     with pytest.raises(ConfigError, match="retry_with_steering cannot run"):
         run(collect(guard.stream(REQUESTS[1], sampling(), policies=[retry])))
+
+
+# -- LangChain, streaming for real ------------------------------------------------------------
+
+
+def test_async_chat_model_streams_tokens_as_generated_with_the_verdict_first(
+    async_engine: Any, run: Any, offline: list[Any]
+) -> None:
+    from guardrail.integrations.langchain import AsyncGuardedChatModel, GuardrailBlockedError
+    from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+
+    guard = AsyncGuardedLLM(async_engine, [{"threshold": 0.0}])  # never blocks
+    model = AsyncGuardedChatModel(guarded=guard, max_tokens=MAX_TOKENS)
+    allowed = 1  # ("Translate to French.", "Good morning, ...") rendered as the same chat
+    messages = [SystemMessage(REQUESTS[1][0]), HumanMessage("Data: " + REQUESTS[1][1])]
+
+    async def astream(msgs: list[Any]) -> list[Any]:
+        return [chunk async for chunk in model.astream(msgs)]
+
+    chunks = run(astream(messages))
+    # One chunk per engine step: as many chunks as generated tokens, not one cut-up answer.
+    assert len(chunks) == len(offline[allowed].token_ids) > 1
+    assert chunks[0].response_metadata["guardrail"]["action"] == "allow"
+    assert all("guardrail" not in c.response_metadata for c in chunks[1:])
+    assert chunks[-1].usage_metadata["output_tokens"] == len(offline[allowed].token_ids)
+    assert "".join(str(c.content) for c in chunks) == offline[allowed].text
+    # From another thread while the engine's loop runs: handed over to that loop.
+    answer = run(asyncio.to_thread(model.invoke, messages))
+    assert answer.content == offline[allowed].text
+    # Data (a tool message) under a policy that blocks every score: raised before any chunk.
+    strict = AsyncGuardedChatModel(guarded=AsyncGuardedLLM(async_engine, [{"threshold": 1.0}]))
+    bad = [SystemMessage(REQUESTS[0][0]), ToolMessage(REQUESTS[0][1], tool_call_id="call-0")]
+    received: list[Any] = []
+
+    async def consume() -> None:
+        async for chunk in strict.astream(bad):
+            received.append(chunk)
+
+    with pytest.raises(GuardrailBlockedError):
+        run(consume())
+    assert received == []

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
+import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
 import pytest
 from prometheus_client import CollectorRegistry
 
-from guardrail.errors import ConfigError, PromptInjectionBlocked, RequestError
+from guardrail.errors import ConfigError, EngineDeadError, PromptInjectionBlocked, RequestError
 from guardrail.guard.async_guarded import AsyncGuardedLLM, GuardedStreamChunk
 from guardrail.guard.decider import DEFAULT_REFUSAL
 from guardrail.metrics.recorder import GuardrailMetrics
@@ -48,11 +52,15 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     """One event loop for the module: the async engine's output task lives on it."""
     loop = asyncio.new_event_loop()
     yield loop
-    pending = asyncio.all_tasks(loop)  # vLLM's output tasks, cancelled by the engine's shutdown
-    for task in pending:
-        task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.run_until_complete(_cancel_the_rest())  # vLLM's output tasks, after its shutdown
     loop.close()
+
+
+async def _cancel_the_rest() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +299,52 @@ def test_async_chat_model_streams_tokens_as_generated_with_the_verdict_first(
     with pytest.raises(GuardrailBlockedError):
         run(consume())
     assert received == []
+
+
+# -- a dead engine -------------------------------------------------------------------------------
+
+
+def test_engine_core_killed_mid_stream_raises_engine_dead_within_seconds(
+    tiny_llama_dir: Path, run: Any
+) -> None:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    engine = run(start_async_engine(tiny_llama_dir))
+    try:
+        core = next(
+            p.pid
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and "EngineCore" in p.name()
+        )
+        registry = CollectorRegistry()
+        guard = AsyncGuardedLLM(engine, [{"threshold": 0.0}], metrics=GuardrailMetrics(registry))
+        long = sampling(max_tokens=1500, ignore_eos=True)  # seconds of decoding
+        killed_at: list[float] = []
+        received: list[Any] = []
+
+        async def kill_soon() -> None:
+            await asyncio.sleep(1.5)
+            killed_at.append(time.monotonic())
+            os.kill(core, signal.SIGKILL)
+
+        async def stream_while_killed() -> None:
+            killer = asyncio.get_running_loop().create_task(kill_soon())
+            try:
+                async for chunk in guard.stream(REQUESTS[1], long, request_id="doomed"):
+                    received.append(chunk)
+            finally:
+                await killer
+
+        with pytest.raises(EngineDeadError):
+            run(stream_while_killed())
+        assert killed_at and time.monotonic() - killed_at[0] < 10.0
+        assert received and received[0].verdict is not None  # it was streaming when killed
+        read = registry.get_sample_value
+        labels = {"model_name": guard.model_name}
+        assert read("guardrail_requests_total", {**labels, "action": "allow"}) == 1.0
+        assert read("guardrail_probe_errors_total", {**labels, "reason": "engine"}) == 1.0
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):  # later calls fail at once
+            run(collect(engine.stream(REQUESTS[1], sampling())))
+        assert time.monotonic() - started < 1.0
+    finally:
+        engine.close()

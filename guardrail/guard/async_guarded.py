@@ -171,8 +171,9 @@ class AsyncGuardedLLM:
         ``PromptInjectionBlocked`` before yielding anything with ``on_block="raise"``; its
         generated tokens, if any, are never streamed. Raises ``RequestError`` (or
         ``ConfigError`` for bad ``policies``) before anything runs for an invalid request, and
-        ``EngineDeadError`` when the engine dies (the request is recorded as blocked,
-        fail-closed).
+        ``EngineDeadError`` when the engine dies: a request that had no verdict yet is recorded
+        as blocked, fail-closed; one already decided keeps its verdict and its stream ends
+        with the error.
         """
         ids, errors = ids_for(None if request_id is None else [request_id], 1)
         policy_set = self._policy_set(policies, errors)
@@ -189,6 +190,7 @@ class AsyncGuardedLLM:
             stop_on_probe_error=on_error,
             probe_key=rid,
         )
+        decided = False
         with self.decider.in_flight(1):
             try:
                 async for chunk in chunks:
@@ -202,6 +204,7 @@ class AsyncGuardedLLM:
                         )
                         continue
                     verdict = self._decide(rid, chunk, policy_set)
+                    decided = True
                     if verdict.blocked:
                         await chunks.aclose()  # aborts the request if it still runs
                         if self.decider.on_block == "raise":
@@ -226,7 +229,8 @@ class AsyncGuardedLLM:
                         verdict,
                     )
             except EngineDeadError as exc:
-                self.decider.observe(self.decider.lost(exc, ids, {}))
+                if not decided:  # no verdict yet: fail closed and record it (once per request)
+                    self.decider.observe(self.decider.lost(exc, ids, {}))
                 raise
             finally:
                 await chunks.aclose()

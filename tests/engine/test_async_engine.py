@@ -340,7 +340,13 @@ def test_engine_core_killed_mid_stream_raises_engine_dead_within_seconds(
         assert received and received[0].verdict is not None  # it was streaming when killed
         read = registry.get_sample_value
         labels = {"model_name": guard.model_name}
+        # One verdict per request: decided (allow) before the death, not counted again.
         assert read("guardrail_requests_total", {**labels, "action": "allow"}) == 1.0
+        assert read("guardrail_requests_total", {**labels, "action": "block"}) == 0.0
+        # A request the engine never scored: blocked fail-closed, recorded once.
+        with pytest.raises(EngineDeadError):
+            run(collect(guard.stream(REQUESTS[1], sampling(), request_id="never-scored")))
+        assert read("guardrail_requests_total", {**labels, "action": "block"}) == 1.0
         assert read("guardrail_probe_errors_total", {**labels, "reason": "engine"}) == 1.0
         started = time.monotonic()
         with pytest.raises(EngineDeadError):  # later calls fail at once

@@ -44,7 +44,13 @@ from guardrail.errors import ModelUnavailableError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["EMBEDDED_MODEL_ID", "embedded_model_path", "resolve_cache_dir", "verify"]
+__all__ = [
+    "EMBEDDED_MODEL_ID",
+    "embedded_model_path",
+    "model_or_embedded",
+    "resolve_cache_dir",
+    "verify",
+]
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 """Hugging Face id of the embedded model (the converted directory is a local copy of it)."""
@@ -105,6 +111,17 @@ def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 
 def _model_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
     return resolve_cache_dir(cache_dir) / "models" / MODEL_DIR_NAME
+
+
+def model_or_embedded(model: str | os.PathLike[str] | None) -> str:
+    """``model`` as a string, or for None the embedded model's directory (converted on first
+    use): what every engine and guard does with its ``model`` argument.
+
+    Example:
+        >>> model_or_embedded("path/to/model")
+        'path/to/model'
+    """
+    return str(embedded_model_path() if model is None else model)
 
 
 def embedded_model_path(

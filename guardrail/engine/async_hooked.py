@@ -29,7 +29,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 from pathlib import Path
 from typing import Any
 
-from guardrail.engine.client import ProbeClient, checked_probe_keys
+from guardrail.embedded import model_or_embedded
+from guardrail.engine.client import ProbeClient, per_request_args
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
     check_self_test,
@@ -43,7 +44,6 @@ from guardrail.engine.types import (
     GuardedChunk,
     GuardedOutput,
     is_stop_value,
-    per_request_checked,
 )
 from guardrail.engine.vllm_client import is_engine_dead_error
 from guardrail.errors import (
@@ -161,10 +161,7 @@ class AsyncHookedLLM:
     ) -> AsyncHookedLLM:
         """Start the engine, install the probe, and check one real request comes back scored."""
         arguments = engine_arguments({"disable_log_stats": True, **engine_kwargs})
-        if model is None:
-            from guardrail.embedded import embedded_model_path
-
-            model = embedded_model_path()
+        model = model_or_embedded(model)
         config = resolve_config(str(model), probe_config)
         check_sizes_from_files(str(model), config)
         from vllm import AsyncEngineArgs, AsyncLLMEngine
@@ -346,43 +343,29 @@ class AsyncHookedLLM:
         request or list entry gets an output with ``error`` set and the others are answered).
         Raises ``EngineDeadError`` when the engine dies.
         """
-        if isinstance(requests, str | tuple):
-            raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
-        n = len(requests)
-        errors: dict[int, GuardrailError] = {}
-        from vllm import SamplingParams
-
-        if sampling_params is None:
-            params: list[Any] = [None] * n
-        else:
-            valid = lambda p: isinstance(p, SamplingParams)  # noqa: E731
-            params = per_request_checked(
-                sampling_params, n, "sampling params", valid, "a vllm.SamplingParams", errors
-            )
-        stops = per_request_checked(stop_below, n, "stop_below", is_stop_value, STOP_IS, errors)
-        on_error = per_request_checked(
-            stop_on_probe_error,
-            n,
-            "stop_on_probe_error",
-            lambda v: isinstance(v, bool),
-            "True or False",
-            errors,
+        args = per_request_args(
+            requests, sampling_params, stop_below, stop_on_probe_error, probe_keys, lambda: None
         )
-        keys = checked_probe_keys(probe_keys, n, errors)
+        errors = args.errors
 
         async def one(i: int) -> GuardedOutput:
             if i in errors:
                 return GuardedOutput(index=i, prompt=None, error=errors[i])
             try:
                 return await self._collect(
-                    i, requests[i], params[i], stops[i], on_error[i], keys[i]
+                    i,
+                    requests[i],
+                    args.params[i],
+                    args.stop_below[i],
+                    args.stop_on_probe_error[i],
+                    args.probe_keys[i],
                 )
             except RequestError as exc:
                 return GuardedOutput(
                     index=i, prompt=None, error=RequestError(f"request {i}: {exc}")
                 )
 
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
+        return list(await asyncio.gather(*(one(i) for i in range(len(requests)))))
 
     async def _collect(
         self,

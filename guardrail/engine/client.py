@@ -19,17 +19,30 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from guardrail.engine.types import ProbeResult, per_request
+from guardrail.engine.types import (
+    STOP_IS,
+    ProbeResult,
+    is_stop_value,
+    per_request,
+    per_request_checked,
+)
 from guardrail.errors import ConfigError, GuardrailError, RequestError
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt
 from guardrail.probe.scoring import HeadKey, head_focus
 from guardrail.protocol import PROBE_ARG, ProbeResultData, ProbeSpec
 
-__all__ = ["ProbeClient", "check_probe_keys", "checked_probe_keys"]
+__all__ = [
+    "PerRequestArgs",
+    "ProbeClient",
+    "check_probe_keys",
+    "checked_probe_keys",
+    "per_request_args",
+]
 
 
 def check_probe_keys(keys: Sequence[str | None]) -> None:
@@ -76,6 +89,57 @@ def checked_probe_keys(
             errors.setdefault(i, RequestError(f"request {i}: probe key {key!r} {problem}"))
             keys[i] = None
     return keys
+
+
+@dataclass(frozen=True)
+class PerRequestArgs:
+    """``generate``'s per-request arguments, one entry per request, checked: an invalid entry
+    is in ``errors`` (by request index) and its request is not sent."""
+
+    params: list[Any]
+    stop_below: list[Any]
+    stop_on_probe_error: list[Any]
+    probe_keys: list[str | None]
+    errors: dict[int, GuardrailError]
+
+
+def per_request_args(
+    requests: Sequence[Any],
+    sampling_params: Any,
+    stop_below: Any,
+    stop_on_probe_error: Any,
+    probe_keys: Sequence[str | None] | None,
+    default_params: Callable[[], Any],
+) -> PerRequestArgs:
+    """Check ``generate``'s arguments the same way for every engine (sync and async): one value
+    for all requests or one per request; ``default_params()`` when ``sampling_params`` is None.
+    A list of the wrong length (or a single request not in a list) fails the whole call."""
+    if isinstance(requests, str | tuple):
+        raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
+    from vllm import SamplingParams
+
+    n = len(requests)
+    errors: dict[int, GuardrailError] = {}
+    if sampling_params is None:
+        params = [default_params()] * n
+    else:
+        expected = (
+            "a vllm.SamplingParams (one for all requests, one per request, or None for the "
+            "defaults)"
+        )
+        valid = lambda p: isinstance(p, SamplingParams)  # noqa: E731
+        params = per_request_checked(sampling_params, n, "sampling params", valid, expected, errors)
+    stops = per_request_checked(stop_below, n, "stop_below", is_stop_value, STOP_IS, errors)
+    on_error = per_request_checked(
+        stop_on_probe_error,
+        n,
+        "stop_on_probe_error",
+        lambda v: isinstance(v, bool),
+        "True or False",
+        errors,
+    )
+    keys = checked_probe_keys(probe_keys, n, errors)
+    return PerRequestArgs(params, stops, on_error, keys, errors)
 
 
 class ProbeClient:

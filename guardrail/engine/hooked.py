@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from guardrail.engine.client import ProbeClient, checked_probe_keys
+from guardrail.embedded import model_or_embedded
+from guardrail.engine.client import PerRequestArgs, ProbeClient, per_request_args
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
     check_self_test,
@@ -34,12 +35,9 @@ from guardrail.engine.install import (
 )
 from guardrail.engine.steering import ResolvedSteering, SteeringClient
 from guardrail.engine.types import (
-    STOP_IS,
     GuardedOutput,
     ProbeResult,
-    is_stop_value,
     per_request,
-    per_request_checked,
 )
 from guardrail.engine.vllm_client import EngineHandle, abort_unfinished
 from guardrail.errors import ConfigError, EngineNotGuardableError, GuardrailError, RequestError
@@ -95,10 +93,7 @@ class HookedLLM:
         **engine_kwargs: Any,
     ) -> None:
         arguments = engine_arguments(engine_kwargs)
-        if model is None:
-            from guardrail.embedded import embedded_model_path
-
-            model = embedded_model_path()
+        model = model_or_embedded(model)
         self.model = str(model)
         self.config = resolve_config(self.model, probe_config)
         check_sizes_from_files(self.model, self.config)
@@ -207,33 +202,29 @@ class HookedLLM:
         how many positions were steered, or why steering failed. Raises ``EngineDeadError`` when
         the engine dies (see the class docstring).
         """
-        if isinstance(requests, str | tuple):
-            raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
-        n = len(requests)
-        errors: dict[int, GuardrailError] = {}
-        params = self._per_request_params(sampling_params, n, errors)
-        stops = per_request_checked(stop_below, n, "stop_below", is_stop_value, STOP_IS, errors)
-        on_error = per_request_checked(
-            stop_on_probe_error, n, "stop_on_probe_error", _is_bool, "True or False", errors
+        args = per_request_args(
+            requests,
+            sampling_params,
+            stop_below,
+            stop_on_probe_error,
+            probe_keys,
+            lambda: self.sampling(max_tokens=64),
         )
-        keys = checked_probe_keys(probe_keys, n, errors)
         with self._engine_call() as llm:
-            steer = self._steering_plan(steering, n, errors)
-            return self._run(llm, requests, params, stops, on_error, keys, steer, errors, use_tqdm)
+            steer = self._steering_plan(steering, len(requests), args.errors)
+            return self._run(llm, requests, args, steer, use_tqdm)
 
     def _run(
         self,
         llm: Any,
         requests: Sequence[RequestLike],
-        params: list[Any],
-        stops: list[Any],
-        on_error: list[Any],
-        keys: list[Any],
+        args: PerRequestArgs,
         steer: list[ResolvedSteering | None],
-        errors: dict[int, GuardrailError],
         use_tqdm: bool,
     ) -> list[GuardedOutput]:
         from vllm.inputs import TokensPrompt
+
+        params, errors = args.params, args.errors
 
         steered: dict[str, ResolvedSteering] = {}
         outputs: list[GuardedOutput | None] = [None] * len(requests)
@@ -243,8 +234,9 @@ class HookedLLM:
                 if i in errors:
                     raise errors[i]
                 prepared = self.prepare(request)
-                key = keys[i] or uuid.uuid4().hex
-                spec = self.probe.spec(prepared, key, params[i], stops[i], bool(on_error[i]))
+                key = args.probe_keys[i] or uuid.uuid4().hex
+                stop_below, on_error = args.stop_below[i], bool(args.stop_on_probe_error[i])
+                spec = self.probe.spec(prepared, key, params[i], stop_below, on_error)
             except GuardrailError as exc:  # this request alone fails
                 outputs[i] = GuardedOutput(index=i, prompt=None, error=exc)
                 continue
@@ -299,20 +291,6 @@ class HookedLLM:
         return self.generate(requests, self.sampling(max_tokens=1))
 
     # -- per-request arguments -------------------------------------------------------------------
-    def _per_request_params(
-        self, sampling_params: Any, n: int, errors: dict[int, GuardrailError]
-    ) -> list[Any]:
-        from vllm import SamplingParams
-
-        if sampling_params is None:
-            return [self.sampling(max_tokens=64)] * n
-        expected = (
-            "a vllm.SamplingParams (one for all requests, one per request, or None for the "
-            "defaults)"
-        )
-        valid = lambda p: isinstance(p, SamplingParams)  # noqa: E731
-        return per_request_checked(sampling_params, n, "sampling params", valid, expected, errors)
-
     def _steering_plan(
         self,
         steering: SteeringLike | Sequence[SteeringLike | None] | None,
@@ -393,10 +371,6 @@ class HookedLLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
 
 
 def _check_order(sent: Sequence[tuple[int, PreparedPrompt, str]], results: Sequence[Any]) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from guardrail.embedded import model_or_embedded
 from guardrail.engine.async_hooked import AsyncHookedLLM
 from guardrail.engine.types import GuardedChunk, GuardedOutput
 from guardrail.errors import (
@@ -123,10 +124,7 @@ class AsyncGuardedLLM:
         **engine_kwargs: Any,
     ) -> AsyncGuardedLLM:
         """Start an engine and guard it; everything is checked before the engine starts."""
-        if model is None:
-            from guardrail.embedded import embedded_model_path
-
-            model = embedded_model_path()
+        model = model_or_embedded(model)
         config = resolve_config(str(model), probe_config)
         decider = Decider(config, policies, on_block=on_block, refusal_text=refusal_text)
         _refuse_retries(decider.policies)

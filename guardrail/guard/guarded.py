@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from guardrail.embedded import model_or_embedded
 from guardrail.engine.types import GuardedOutput, GuardEngine, per_request
 from guardrail.errors import (
     EngineDeadError,
@@ -92,10 +93,7 @@ class GuardedLLM:
     ) -> None:
         from guardrail.engine import HookedLLM
 
-        if model is None:
-            from guardrail.embedded import embedded_model_path
-
-            model = embedded_model_path()
+        model = model_or_embedded(model)
         config = resolve_config(str(model), probe_config)
         # Validate everything the user wrote before paying for an engine start.
         self.decider = Decider(

@@ -296,7 +296,7 @@ def test_data_longer_than_any_calibration_row_is_noted_and_counted(tiny_engine: 
     )
     plain_verdicts = [r.verdict for r in llm.score(REQUESTS)]
     calibration = Calibration(dataset="rows", num_examples=3, sha256="0", max_data_tokens=limit)
-    llm.config = llm.config.model_copy(update={"calibration": calibration})
+    llm.decider.config = llm.config.model_copy(update={"calibration": calibration})
     results = llm.score(REQUESTS)
     notes = [r.verdict.beyond_calibration for r in results]  # type: ignore[union-attr]
     assert [n is not None for n in notes] == [n > limit for n in data_tokens]

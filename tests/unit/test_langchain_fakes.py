@@ -54,6 +54,7 @@ def test_public_api_is_pinned() -> None:
         "CHAIN_METADATA_KEY",
         "METADATA_KEY",
         "VERDICT_EVENT",
+        "AsyncGuardedChatModel",
         "ChainVerdict",
         "GuardedChatModel",
         "GuardedChatModelBase",

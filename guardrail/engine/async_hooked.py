@@ -45,7 +45,7 @@ from guardrail.engine.types import (
     GuardedOutput,
     is_stop_value,
 )
-from guardrail.engine.vllm_client import is_engine_dead_error
+from guardrail.engine.vllm_client import SHUTDOWN_TIMEOUT_S, EngineHandle, is_engine_dead_error
 from guardrail.errors import (
     ConfigError,
     EngineClosedError,
@@ -166,7 +166,7 @@ class AsyncHookedLLM:
         check_sizes_from_files(str(model), config)
         from vllm import AsyncEngineArgs, AsyncLLMEngine
 
-        args = AsyncEngineArgs(model=str(model), **arguments)
+        args = AsyncEngineArgs(model=str(model), **EngineHandle.start_arguments(arguments))
         self = cls(AsyncLLMEngine.from_engine_args(args), str(model), config)
         self.loop = asyncio.get_running_loop()
         try:
@@ -408,7 +408,7 @@ class AsyncHookedLLM:
         """Shut vLLM's engine down (idempotent)."""
         engine, self._engine = self._engine, None
         if engine is not None:
-            engine.shutdown()
+            engine.shutdown(timeout=SHUTDOWN_TIMEOUT_S)  # let its processes exit on their own
             del engine
             _collect_before_exit()
 

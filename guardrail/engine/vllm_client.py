@@ -28,14 +28,36 @@ What it does:
   cost while the engine lives. When one of them dies, the thread marks the client dead, fails
   every pending utility call, queues ``EngineDeadError`` for the output loop, and shuts the
   client down, so the running call raises at once and later calls raise without waiting.
+- ``EngineHandle.close`` runs vLLM's own shutdown (``SyncMPClient.shutdown``: SIGTERM to the
+  engine core, which stops its workers, tears down and exits) with a budget of
+  ``SHUTDOWN_TIMEOUT_S`` instead of vLLM's 5 s (see "Closing" below).
 - ``EngineSupervisor.stop`` (from ``HookedLLM.close``, after vLLM's own shutdown) waits for the
   recorded processes to exit, kills what is left, reaps them and unlinks the shared-memory
   segments they left behind, so the next engine starts in a clean process.
+- ``EngineHandle.start_arguments``: the engine arguments ``HookedLLM`` starts vLLM with,
+  plus ``guardrail.engine.defaults.cpu_defaults`` when vLLM runs on the CPU.
 - ``abort_unfinished`` removes requests a failed or interrupted ``generate`` left in the engine,
   so they never mix into the next call's outputs.
 
 The in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) has no process to watch; there the
 supervisor is inert.
+
+Closing. vLLM's clean exit of an idle engine takes about 4.5 s on a 2-core CPU machine, nearly
+all of it Python's garbage collection at interpreter exit: ``EngineCore.shutdown``
+(vllm/v1/engine/core.py, ``gc.unfreeze()``) and ``Worker.shutdown`` (vllm/v1/worker/gpu_worker.py,
+which ``CPUWorker`` inherits) hand the whole start-up heap (~700,000 objects: torch, vLLM, the
+model) back to the collector, whose final full collections then take ~2 s in each process (vLLM
+re-freezes it only on ROCm, core.py ``run_engine_core``; upstream issue vllm-project/vllm#48620).
+The engine core waits for its worker to exit before its own teardown
+(``MultiprocExecutor._ensure_worker_termination``), so the two run one after the other. vLLM's
+process manager gives the engine core 5 s (``vllm.v1.utils.shutdown``: ``timeout=None`` means
+5.0) and then kills it and its worker ("force killing remaining processes"): on a busy machine,
+or in compiled mode (a larger heap), the exit often takes longer than that. ``close`` therefore
+gives vLLM's shutdown ``SHUTDOWN_TIMEOUT_S``: the processes finish their own cleanup and nothing
+is killed; closing still takes as long as vLLM's exit. Python's resource tracker, which the
+engine's processes share with this one, then must not list any of their ``/dev/shm`` segments,
+or it warns at this process's exit ("leaked shared_memory objects"): ``stop`` unlinks what they
+left and drops registrations they left for segments that are gone (``_unlink_shared_memory``).
 """
 
 from __future__ import annotations
@@ -48,6 +70,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from guardrail.engine.defaults import cpu_defaults
 from guardrail.errors import EngineClosedError, EngineDeadError, GuardrailError
 
 __all__ = [
@@ -56,11 +79,16 @@ __all__ = [
     "SerialLLM",
     "abort_unfinished",
     "is_engine_dead_error",
+    "shutdown_engine",
 ]
 
 SHM_DIR = Path("/dev/shm")
 PROCESS_EXIT_TIMEOUT_S = 10.0
 """How long ``stop`` waits for the engine's processes to exit before it kills them."""
+SHUTDOWN_TIMEOUT_S = 60.0
+"""How long vLLM's shutdown lets the engine core (and its workers) exit on their own before it
+kills them. vLLM's own default, 5 s, is shorter than a clean exit takes on a busy CPU machine
+(module docstring, "Closing"); this bounds only an engine that hangs."""
 
 
 def is_engine_dead_error(exc: BaseException) -> bool:
@@ -68,6 +96,14 @@ def is_engine_dead_error(exc: BaseException) -> bool:
     from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
     return isinstance(exc, VllmEngineDeadError)
+
+
+def shutdown_engine(client: Any, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """vLLM's own shutdown of an engine client (``EngineCoreClient.shutdown``; idempotent), with
+    ``timeout`` s for the engine's processes to exit before vLLM kills them."""
+    shutdown = getattr(client, "shutdown", None)
+    if callable(shutdown):
+        shutdown(timeout=timeout)
 
 
 def abort_unfinished(llm: Any) -> None:
@@ -201,7 +237,7 @@ class EngineSupervisor:
         if outputs is not None:
             outputs.put_nowait(VllmEngineDeadError())
         with contextlib.suppress(Exception):  # idempotent in vLLM; kills what is left
-            client.shutdown()
+            shutdown_engine(client)
 
     def abandon(self, reason: str) -> None:
         """Fail a call that is still waiting on the engine (closing under it at exit)."""
@@ -262,23 +298,37 @@ class EngineSupervisor:
 
     def _unlink_shared_memory(self) -> None:
         """Unlink the segments the engine's processes mapped and left (vLLM's message queues:
-        a process killed before its own cleanup cannot unlink them)."""
-        from multiprocessing import shared_memory
+        a process killed before its own cleanup cannot unlink them), and make sure the resource
+        tracker they share with this process no longer lists any of them.
+
+        vLLM's ``ShmRingBuffer`` registers its segment with that tracker when created and
+        unregisters it in ``unlink``, from ``__del__``. A creator that unlinked its segment but
+        never sent the unregistering message (killed between the two, or an ``__del__`` that
+        failed during interpreter exit) leaves the tracker listing a segment that is gone: at
+        this process's exit it warns "leaked shared_memory objects" and fails to unlink it ("No
+        such file or directory"). The engine's processes are gone when this runs, so their
+        messages are all in the tracker's pipe ahead of these."""
+        from multiprocessing import resource_tracker, shared_memory
 
         still_mapped = _shm_mapped_by("self")
+        # Spawned engine processes share this process's tracker (it runs: spawning started it);
+        # never start one here just for this.
+        shares_tracker = getattr(resource_tracker._resource_tracker, "_fd", None) is not None
         for name in self.shared_memory:
             if not name.startswith("psm_") or name in still_mapped:
                 continue
-            if not (SHM_DIR / name).exists():
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                segment = shared_memory.SharedMemory(name=name)
-                segment.close()
-                segment.unlink()  # also drops it from the resource tracker: no warning at exit
+            if (SHM_DIR / name).exists():
+                with contextlib.suppress(OSError, ValueError):
+                    segment = shared_memory.SharedMemory(name=name)
+                    segment.close()
+                    segment.unlink()  # also drops it from the resource tracker: no warning at exit
+            elif shares_tracker:  # unlinked by its creator: drop a registration it may have left
+                # (a register, then an unregister: the tracker ends without the name either way,
+                # where an unregister alone of a name it does not list prints a KeyError)
+                resource_tracker.register("/" + name, "shared_memory")
+                resource_tracker.unregister("/" + name, "shared_memory")
         # Named semaphores of joblib's loky in the worker carry their creator's pid; they are
         # registered with the resource tracker the engine processes share with this one.
-        from multiprocessing import resource_tracker
-
         for pid in self.pids:
             for path in SHM_DIR.glob(f"sem.loky-{pid}-*"):
                 with contextlib.suppress(OSError):
@@ -335,6 +385,16 @@ class EngineHandle:
     def serial_llm(self, tokenizer: Any) -> SerialLLM:
         return SerialLLM(self, tokenizer)
 
+    @staticmethod
+    def start_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+        """The engine arguments to start vLLM with: ``arguments`` plus, when vLLM runs on the
+        CPU, the start-up defaults of ``guardrail.engine.defaults`` for what they leave unset."""
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return cpu_defaults(arguments)
+        return dict(arguments)
+
     def close(self, wait_s: float | None = None) -> None:
         """Shut vLLM down, then make sure no engine process or shared memory is left.
 
@@ -351,10 +411,7 @@ class EngineHandle:
             if supervisor is not None and not locked:
                 supervisor.abandon("the engine was closed while a call was running")
             try:
-                core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-                shutdown = getattr(core, "shutdown", None)
-                if callable(shutdown):
-                    shutdown()
+                shutdown_engine(getattr(getattr(llm, "llm_engine", None), "engine_core", None))
             finally:
                 if supervisor is not None:
                     supervisor.stop()

@@ -278,8 +278,9 @@ def test_async_chat_model_streams_tokens_as_generated_with_the_verdict_first(
         return [chunk async for chunk in model.astream(msgs)]
 
     chunks = run(astream(messages))
-    # One chunk per engine step: as many chunks as generated tokens, not one cut-up answer.
-    assert len(chunks) == len(offline[allowed].token_ids) > 1
+    # Chunks as the engine steps (vLLM merges the steps a slow reader has not taken yet), not
+    # one answer cut up afterwards: more than one, and none holds more than it generated.
+    assert 1 < len(chunks) <= len(offline[allowed].token_ids)
     assert chunks[0].response_metadata["guardrail"]["action"] == "allow"
     assert all("guardrail" not in c.response_metadata for c in chunks[1:])
     assert chunks[-1].usage_metadata["output_tokens"] == len(offline[allowed].token_ids)

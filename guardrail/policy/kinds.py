@@ -186,6 +186,37 @@ class PromptInjectionPolicy(ConfigModel):
         return True
 
 
+MAX_GROUP_DEPTH = 100
+"""The deepest nesting of groups a data pattern may have: Python's ``re`` parses groups
+recursively, so whether a deeper one compiles depends on the interpreter's recursion limit."""
+
+
+def _group_depth(pattern: str) -> int:
+    r"""How deep the pattern's groups nest (escapes and character classes skipped).
+
+    Example:
+        >>> _group_depth(r"(a(b)[(]\()")
+        2
+    """
+    depth = deepest = 0
+    in_class = escaped = False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
 class DataPatternPolicy(ConfigModel):
     """Act when any of ``patterns`` (regular expressions) matches the request's untrusted data.
 
@@ -214,6 +245,9 @@ class DataPatternPolicy(ConfigModel):
             raise ValueError("a data_pattern policy can allow, flag or block, not retry")
         for pattern in self.patterns:
             try:
+                depth = _group_depth(pattern)
+                if depth > MAX_GROUP_DEPTH:  # whether re copes depends on the recursion limit
+                    raise re.error(f"groups nested {depth} deep (at most {MAX_GROUP_DEPTH})")
                 re.compile(pattern)
             except (re.error, OverflowError, RecursionError) as exc:
                 raise ValueError(

@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -76,8 +76,8 @@ class _Sampling(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     user: str | None = None
@@ -274,7 +274,10 @@ def build_app(
             return _error(
                 400, f"invalid messages: {exc.errors()[0]['msg']}", "invalid_request_error"
             )
-        params = body.sampling_params(default_max_tokens)
+        try:
+            params = body.sampling_params(default_max_tokens)
+        except ValueError as exc:  # vLLM's own checks of the sampling values
+            return _error(400, f"invalid sampling parameters: {exc}", "invalid_request_error")
         request_id = uuid.uuid4().hex
         form = _Answer(chat, state["model"], request_id)
         chunks = guard.stream(request, params, request_id=request_id)

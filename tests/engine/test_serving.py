@@ -233,6 +233,8 @@ def test_segments_inside_a_message_mark_data(client: openai.OpenAI, tiny_engine:
         ),
         ({"model": "tiny", "messages": CHATS[1], "n": 2}, 400, "n"),
         ({"model": "tiny", "messages": CHATS[1], "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": CHATS[1], "stop": [""]}, 400, "stop"),
+        ({"model": "tiny", "messages": CHATS[1], "seed": 2**70}, 400, "seed"),
     ],
 )
 def test_bad_requests_get_a_4xx_that_says_what_was_wrong(

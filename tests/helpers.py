@@ -91,6 +91,24 @@ def hf_head_scores(
     return {h: on_i / (on_i + on_d + 1e-8) for h, (on_i, on_d, *_) in stats.items()}
 
 
+def assert_heads_match_hf(model_dir: str | Path, output: Any, abs_tol: float = 5e-6) -> None:
+    """Every head score of an engine ``output`` equals Hugging Face eager attention's."""
+    prompt, probe = output.prompt, output.probe
+    hf = hf_head_scores(
+        str(model_dir),
+        prompt.token_ids,
+        prompt.instruction_spans,
+        prompt.data_spans,
+        list(probe.head_scores),
+    )
+    for head, score in hf.items():
+        assert abs(probe.head_scores[head] - score) <= abs_tol, (
+            head,
+            probe.head_scores[head],
+            score,
+        )
+
+
 # -- engines -----------------------------------------------------------------------------------
 
 TINY_ENGINE_ARGS = {

@@ -96,7 +96,7 @@ class AsyncGuardedLLM:
         model_name: str | None = None,
         owns_engine: bool = False,
     ) -> None:
-        self.decider = Decider(
+        decider = Decider(
             engine.config,
             policies,
             on_block=on_block,
@@ -105,9 +105,11 @@ class AsyncGuardedLLM:
             early_block=early_block,
             model_name=model_name,
         )
-        _refuse_retries(self.decider.policies)
-        self.engine = engine
-        self._owns_engine = owns_engine
+        _refuse_retries(decider.policies)
+        self._setup(engine, decider, owns_engine)
+
+    def _setup(self, engine: AsyncHookedLLM, decider: Decider, owns_engine: bool) -> None:
+        self.decider, self.engine, self._owns_engine = decider, engine, owns_engine
 
     @classmethod
     async def create(
@@ -126,23 +128,19 @@ class AsyncGuardedLLM:
         """Start an engine and guard it; everything is checked before the engine starts."""
         model = model_or_embedded(model)
         config = resolve_config(str(model), probe_config)
-        decider = Decider(config, policies, on_block=on_block, refusal_text=refusal_text)
-        _refuse_retries(decider.policies)
+        decider = Decider(
+            config,
+            policies,
+            on_block=on_block,
+            refusal_text=refusal_text,
+            metrics=metrics,
+            early_block=early_block,
+            model_name=model_name,
+        )
+        _refuse_retries(decider.policies)  # checked before the engine starts
         engine = await AsyncHookedLLM.create(model, config, **engine_kwargs)
-        try:
-            self = cls(
-                engine,
-                policies,
-                on_block=on_block,
-                refusal_text=refusal_text,
-                metrics=metrics,
-                early_block=early_block,
-                model_name=model_name,
-            )
-        except BaseException:
-            engine.close()
-            raise
-        self._owns_engine = True
+        self = cls.__new__(cls)  # the decider is built: only the engine is new
+        self._setup(engine, decider, owns_engine=True)
         return self
 
     @property

@@ -25,7 +25,7 @@ from guardrail.errors import ConfigError, EngineDeadError, PromptInjectionBlocke
 from guardrail.guard.async_guarded import AsyncGuardedLLM, GuardedStreamChunk
 from guardrail.guard.decider import DEFAULT_REFUSAL
 from guardrail.metrics.recorder import GuardrailMetrics
-from tests.helpers import hf_head_scores, start_async_engine
+from tests.helpers import assert_heads_match_hf, start_async_engine
 
 T = TypeVar("T")
 MAX_TOKENS = 8
@@ -108,16 +108,7 @@ def test_scores_and_text_equal_the_offline_engine_and_hugging_face(
         for head, score in ref.probe.head_scores.items():
             assert out.probe.head_scores[head] == pytest.approx(score, abs=5e-6)
         assert (out.text, out.token_ids) == (ref.text, ref.token_ids)  # greedy: same tokens
-    first = outputs[0]
-    hf = hf_head_scores(
-        str(tiny_llama_dir),
-        first.prompt.token_ids,
-        first.prompt.instruction_spans,
-        first.prompt.data_spans,
-        list(first.probe.head_scores),
-    )
-    for head, score in hf.items():
-        assert first.probe.head_scores[head] == pytest.approx(score, abs=5e-6)
+    assert_heads_match_hf(tiny_llama_dir, outputs[0])
 
 
 def test_a_stream_carries_the_score_on_its_first_chunk_and_the_text_in_deltas(

@@ -289,6 +289,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _wait_until_it_answers(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    """Poll ``url`` until a server started as ``proc`` answers 2xx (fails if it exits first)."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        assert proc.poll() is None, f"the server exited:\n{log.read_text()[-6000:]}"
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            httpx.get(url, timeout=5).raise_for_status()
+            return
+        except httpx.HTTPError:
+            time.sleep(2)
+
+
 @pytest.fixture()
 def service(tiny_args: TinyArgs, tmp_path: Path) -> Iterator[str]:
     """examples/guarded_service.py serving on a free port; its base URL once it answers."""
@@ -296,15 +309,7 @@ def service(tiny_args: TinyArgs, tmp_path: Path) -> Iterator[str]:
     proc = start_example("guarded_service.py", *tiny_args(0.25), "--port", port, log=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert proc.poll() is None, f"the service exited:\n{log.read_text()[-6000:]}"
-            assert time.monotonic() < deadline, "the service did not start"
-            try:
-                httpx.get(f"{url}/metrics/", timeout=5).raise_for_status()
-                break
-            except httpx.HTTPError:
-                time.sleep(2)
+        _wait_until_it_answers(proc, f"{url}/metrics/", log)
         yield url
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, the lifespan stops the engine
@@ -377,15 +382,7 @@ def test_openai_client_against_guardrail_serve(tiny_args: TinyArgs, tmp_path: Pa
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert proc.poll() is None, f"the server exited:\n{log.read_text()[-6000:]}"
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                httpx.get(f"{url}/health", timeout=5).raise_for_status()
-                break
-            except httpx.HTTPError:
-                time.sleep(2)
+        _wait_until_it_answers(proc, f"{url}/health", log)
         out = run_example("openai_client.py", "--base-url", f"{url}/v1")
     finally:
         proc.send_signal(signal.SIGINT)

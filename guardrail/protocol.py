@@ -60,7 +60,8 @@ MAX_STORED_RESULTS = 65536
 
 # -- collective_rpc method names (methods of GuardrailWorkerExtension) --------------------------
 RPC_MODEL_INFO = "guardrail_model_info"  # () -> ModelInfo
-RPC_INSTALL = "guardrail_install"  # (heads: [[layer, head]], config: dict) -> ModelInfo
+RPC_INSTALL = "guardrail_install"  # (heads: [[layer, head]], config: dict, raw_hidden_layers:
+# [layer]) -> ModelInfo
 RPC_UNINSTALL = "guardrail_uninstall"  # () -> None
 RPC_POP_RESULTS = "guardrail_pop_results"  # (keys: [str]) -> {key: ProbeResultData}
 RPC_SET_FAULTS = "guardrail_set_faults"  # (keys: [str]) -> None
@@ -109,6 +110,8 @@ class ProbeResultData(TypedDict):
     probe_seconds: float
     heads: NotRequired[list[list[Any]]]  # [[layer, head, [stats...]], ...] when scored
     error: NotRequired[str]  # why the probe could not score (the request is then unscored)
+    hidden: NotRequired[list[list[Any]]]  # [[layer, logit term], ...]: the config's hidden part
+    hidden_states: NotRequired[list[list[Any]]]  # [[layer, [stream...]], ...]: raw (calibration)
     focus: NotRequired[float]  # computed in the worker when it decided an early stop
     stopped: NotRequired[bool]  # ended right after prefill
 
@@ -141,3 +144,4 @@ class ModelInfo(TypedDict):
     pp_size: int
     device: str
     hooked_layers: NotRequired[list[int]]
+    hidden_layers: NotRequired[list[int]]  # decoder layers whose residual stream is read

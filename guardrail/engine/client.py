@@ -205,6 +205,8 @@ class ProbeClient:
         """The request's ``ProbeResult`` from every rank's popped results (ranks each score
         their own heads; errors win; missing or incomplete heads are errors)."""
         heads: dict[HeadKey, tuple[float, ...]] = {}
+        hidden: dict[int, float] = {}
+        streams: dict[int, tuple[float, ...]] = {}
         error: str | None = None
         num_prompt_tokens, seconds, stopped = 0, 0.0, False
         for rank in per_rank:
@@ -217,14 +219,21 @@ class ProbeClient:
             stopped = stopped or bool(found.get("stopped"))
             for layer, head, stats in found.get("heads", []):
                 heads[(int(layer), int(head))] = tuple(stats)
+            # the stream between layers is the same on every tensor-parallel rank
+            hidden.update((int(layer), float(term)) for layer, term in found.get("hidden", []))
+            streams.update((int(lay), tuple(x)) for lay, x in found.get("hidden_states", []))
         if error is None and not heads:
             error = "missing: the probe returned no score for this request"
         elif error is None and any(h not in heads for h in self.config.heads):
             error = "incomplete: some configured heads were not scored"
+        elif error is None and any(lay not in hidden for lay in self.config.hidden_layers):
+            error = "incomplete: some configured hidden layers were not read"
         return ProbeResult(
-            focus=None if error else self.config.focus(heads),
+            focus=None if error else self.config.focus(heads, hidden),
             head_scores=head_focus(heads),
             head_stats=heads,
+            hidden=hidden,
+            hidden_states=streams,
             error=error,
             num_prompt_tokens=num_prompt_tokens,
             probe_seconds=seconds,

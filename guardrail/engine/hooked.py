@@ -68,7 +68,10 @@ class HookedLLM:
     ``model`` is a model path or id (default: the embedded SmolLM2-135M-Instruct);
     ``probe_config`` a ``ModelProbeConfig``, a JSON path, or None to use the shipped config for
     the model; ``probe_heads`` overrides which heads are scored ("all" scores every head of
-    every layer, for calibration). Other keyword arguments go to ``vllm.LLM`` unchanged.
+    every layer, for calibration); ``probe_hidden_layers`` names decoder layers whose whole
+    residual stream at the last prompt token each result carries (``ProbeResult.hidden_states``,
+    for calibration; needs ``enforce_eager=True``, like a config with a hidden-state part).
+    Other keyword arguments go to ``vllm.LLM`` unchanged.
     Steering (``load_steering_vector``, ``generate(steering=...)``) needs ``enforce_eager=True``.
 
     Threads: one engine runs one call at a time. Calls from several threads are serialised by
@@ -90,6 +93,7 @@ class HookedLLM:
         probe_config: ModelProbeConfig | str | Path | None = None,
         *,
         probe_heads: Sequence[HeadKey] | str | None = None,
+        probe_hidden_layers: Sequence[int] = (),
         **engine_kwargs: Any,
     ) -> None:
         arguments = engine_arguments(engine_kwargs)
@@ -106,7 +110,7 @@ class HookedLLM:
             self._handle.watch()
             self._tokenizer = llm.get_tokenizer()
             self._max_model_len = llm.llm_engine.model_config.max_model_len
-            self._install(probe_heads)
+            self._install(probe_heads, [int(layer) for layer in probe_hidden_layers])
         except BaseException:
             self.close()
             raise
@@ -126,7 +130,7 @@ class HookedLLM:
         """Hold the engine for one call (``EngineHandle.call``): yields the ``vllm.LLM``."""
         return self._handle.call()
 
-    def _install(self, probe_heads: Sequence[HeadKey] | str | None) -> None:
+    def _install(self, probe_heads: Sequence[HeadKey] | str | None, raw_hidden: list[int]) -> None:
         with self._engine_call() as llm:
             info: ModelInfo = llm.collective_rpc(RPC_MODEL_INFO)[0]
         self.model_info = info
@@ -143,12 +147,17 @@ class HookedLLM:
         self.steering = SteeringClient(serial, self.config.model_id, info, self.prepare)
         try:
             with self._engine_call() as llm:
-                llm.collective_rpc(
+                installed: ModelInfo = llm.collective_rpc(
                     RPC_INSTALL,
-                    args=([list(h) for h in heads], self.config.model_dump(mode="json")),
-                )
+                    args=(
+                        [list(h) for h in heads],
+                        self.config.model_dump(mode="json"),
+                        raw_hidden,
+                    ),
+                )[0]
         except ValueError as exc:
             raise EngineNotGuardableError(str(exc)) from exc
+        self.model_info = installed
         self._self_test()
 
     def _self_test(self) -> None:

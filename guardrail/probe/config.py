@@ -46,6 +46,7 @@ __all__ = [
     "MAX_CONFIG_BYTES",
     "MAX_JSON_DEPTH",
     "Calibration",
+    "HiddenLayerProbe",
     "ModelProbeConfig",
     "load_model_config",
     "model_id_matches",
@@ -144,6 +145,50 @@ class Calibration(ConfigModel):
 _SIZE_FACTS = ("num_layers", "num_heads", "num_kv_heads", "hidden_size")
 
 
+class HiddenLayerProbe(ConfigModel):
+    """The hidden-state part of a logistic probe for one decoder layer.
+
+    The probe reads the residual stream (the decoder layer's output, before the final norm) at
+    the last prompt token, ``x`` of size ``hidden_size``, and adds to the probe's logit
+    ``sum(weights * (x[dims] - mean) / scale)``: a sparse linear read-out on standardised
+    coordinates (only the coordinates with a non-zero weight are stored).
+
+    Example:
+        >>> part = HiddenLayerProbe(layer=3, dims=[0, 7], mean=[0.1, -2.0], scale=[1.0, 4.0],
+        ...                         weights=[0.5, -1.0])
+        >>> part.project([1.1] + [0.0] * 6 + [2.0])
+        -0.5
+    """
+
+    layer: WholeNumber = Field(ge=0)
+    dims: list[WholeNumber] = Field(min_length=1)
+    mean: list[FiniteNumber]
+    scale: list[FiniteNumber]
+    weights: list[FiniteNumber]
+
+    @model_validator(mode="after")
+    def _check(self) -> HiddenLayerProbe:
+        n = len(self.dims)
+        if not len(self.mean) == len(self.scale) == len(self.weights) == n:
+            raise ValueError(
+                f"hidden layer {self.layer}: dims, mean, scale and weights need one value per "
+                f"read coordinate: {n} dims, {len(self.mean)} means, {len(self.scale)} scales, "
+                f"{len(self.weights)} weights"
+            )
+        if len(set(self.dims)) != n or any(d < 0 for d in self.dims):
+            raise ValueError(f"hidden layer {self.layer}: dims must be distinct indices >= 0")
+        if any(s <= 0 for s in self.scale):
+            raise ValueError(f"hidden layer {self.layer}: every scale must be > 0")
+        return self
+
+    def project(self, stream: Sequence[float]) -> float:
+        """This layer's term of the probe's logit for one residual stream (plain Python, for
+        checks and tools; the worker computes the same on the device)."""
+        x = np.asarray(stream, dtype=np.float64)[self.dims]
+        z = (x - np.asarray(self.mean)) / np.asarray(self.scale)
+        return float(np.dot(z, np.asarray(self.weights)))
+
+
 class ModelProbeConfig(ConfigModel):
     """Probe settings for one model: heads, aggregation, threshold and provenance.
 
@@ -160,6 +205,9 @@ class ModelProbeConfig(ConfigModel):
     weights: list[FiniteNumber] | None = None
     bias: FiniteNumber = 0.0
     feature: FeatureKind = "focus"
+    # The hidden-state signal: logit terms read from the residual stream of these decoder
+    # layers, added to the heads' (probe 'logistic' only). None: attention only.
+    hidden: list[HiddenLayerProbe] | None = None
     threshold: FiniteNumber | None = Field(default=None, ge=0.0, le=1.0)
     num_layers: WholeNumber | None = Field(default=None, ge=1)
     num_heads: WholeNumber | None = Field(default=None, ge=1)
@@ -188,6 +236,12 @@ class ModelProbeConfig(ConfigModel):
             raise ValueError(
                 f"feature {self.feature!r} is only used by probe 'logistic'; remove it or set probe"
             )
+        if self.hidden is not None:
+            if self.probe != "logistic":
+                raise ValueError("hidden is only used by probe 'logistic'; remove it or set probe")
+            layers = [part.layer for part in self.hidden]
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"hidden lists a layer twice: {sorted(layers)}")
         self._check_own_sizes()
         return self
 
@@ -204,6 +258,16 @@ class ModelProbeConfig(ConfigModel):
                 f"heads {outside[:5]} lie outside the config's own model size ({layers} layers x "
                 f"{heads} heads): fix the heads or num_layers / num_heads"
             )
+        for part in self.hidden or []:
+            if layers is not None and part.layer >= layers:
+                raise ValueError(
+                    f"hidden layer {part.layer} lies outside the config's {layers} layers"
+                )
+            if self.hidden_size is not None and max(part.dims) >= self.hidden_size:
+                raise ValueError(
+                    f"hidden layer {part.layer} reads coordinate {max(part.dims)}, outside the "
+                    f"config's hidden_size {self.hidden_size}"
+                )
         if kv is not None and heads is not None and (kv > heads or heads % kv):
             raise ValueError(
                 f"num_kv_heads {kv} must divide num_heads {heads} (grouped-query attention)"
@@ -214,18 +278,44 @@ class ModelProbeConfig(ConfigModel):
         """Sorted layers that hold at least one head: the layers the probe hooks."""
         return sorted({layer for layer, _ in self.heads})
 
-    def focus(self, head_stats: Mapping[HeadKey, Sequence[float]]) -> float:
-        """Combine per-head attention stats (``scoring.ATTENTION_STATS``) into the request's
-        focus score (low = injection)."""
+    @property
+    def hidden_layers(self) -> list[int]:
+        """Sorted decoder layers whose residual stream the probe reads (empty: attention only)."""
+        return sorted(part.layer for part in self.hidden or [])
+
+    def focus(
+        self,
+        head_stats: Mapping[HeadKey, Sequence[float]],
+        hidden: Mapping[int, float] | None = None,
+    ) -> float:
+        """Combine per-head attention stats (``scoring.ATTENTION_STATS``) and, for a config with
+        a hidden-state part, each hidden layer's logit term (``hidden``: layer -> the term, as
+        ``HiddenLayerProbe.project`` computes it) into the request's focus (low = injection)."""
         if self.probe == "logistic":
+            extra = 0.0
+            if self.hidden:
+                if hidden is None or any(p.layer not in hidden for p in self.hidden):
+                    raise ValueError(
+                        f"this probe reads the hidden state of layers {self.hidden_layers}; "
+                        "the request's reading lacks some"
+                    )
+                extra = sum(float(hidden[p.layer]) for p in self.hidden)
             return logistic_focus(
-                head_stats, self.heads, self.weights or [], self.bias, self.feature
+                head_stats, self.heads, self.weights or [], self.bias + extra, self.feature
             )
         return mean_focus(head_focus({h: head_stats[h] for h in self.heads}), self.heads)
 
     def check_fits(self, num_layers: int, num_heads: int) -> None:
-        """Raise ``HeadsDoNotFitModelError`` if a head lies outside a model of this size."""
+        """Raise ``HeadsDoNotFitModelError`` if a head or hidden layer lies outside a model of
+        this size."""
         bad = [(lay, h) for lay, h in self.heads if lay >= num_layers or h >= num_heads]
+        outside = [lay for lay in self.hidden_layers if lay >= num_layers]
+        if outside:
+            raise HeadsDoNotFitModelError(
+                f"model config for {self.model_id!r} reads the hidden state of layers "
+                f"{outside} but the loaded model has {num_layers} layers. The config was made "
+                "for another model: pass the right config, or run `guardrail calibrate`."
+            )
         if bad:
             raise HeadsDoNotFitModelError(
                 f"model config for {self.model_id!r} names heads {bad[:5]} but the loaded model "

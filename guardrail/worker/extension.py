@@ -78,12 +78,18 @@ class GuardrailWorkerExtension:
             self._guardrail_faults = set()
         return self._guardrail_faults
 
-    def guardrail_install(self, heads: list[list[int]], config: dict[str, Any]) -> ModelInfo:
+    def guardrail_install(
+        self,
+        heads: list[list[int]],
+        config: dict[str, Any],
+        raw_hidden_layers: list[int] | None = None,
+    ) -> ModelInfo:
         """Install the probe on the layers holding ``heads`` ([layer, head], global indices).
 
         ``config`` is the model's ``ModelProbeConfig`` as plain data: the worker combines head
-        scores into the focus itself, for early stops (with tensor parallelism, after the ranks
-        exchanged their heads).
+        scores and hidden-state terms into the focus itself, for early stops (with tensor
+        parallelism, after the ranks exchanged their heads). ``raw_hidden_layers``: decoder
+        layers whose whole residual stream at the last prompt token is returned (calibration).
         """
         self.guardrail_uninstall()
         info = self.guardrail_model_info()
@@ -100,10 +106,15 @@ class GuardrailWorkerExtension:
             dict(info),
             self._faults(),
             whole,
+            [int(layer) for layer in raw_hidden_layers or []],
         )
         self._guardrail_probe = probe
         PROBES[id(self.model_runner.vllm_config)] = probe
-        return {**info, "hooked_layers": sorted(probe.layers)}
+        return {
+            **info,
+            "hooked_layers": sorted(probe.layers),
+            "hidden_layers": sorted(probe.hidden),
+        }
 
     def guardrail_uninstall(self) -> None:
         """Remove the probe; the engine runs exactly as before it was installed."""

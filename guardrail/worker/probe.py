@@ -14,6 +14,14 @@ scores are matched to requests by data the request carries, never by vLLM's inte
 request is scored once, in the step that computes its last prompt token. Results wait in a
 bounded store until the caller pops them by key. Nothing here raises into the engine: a failure
 is recorded for the request it concerns.
+
+The hidden-state signal is read in the same pass: a forward hook on each decoder layer the
+config reads (``ModelProbeConfig.hidden``) takes the residual stream at the last prompt token of
+the rows being scored (the layer returns ``(hidden, residual)``; the stream is their sum) and
+computes the layer's logit term on the device. The last prompt token is always computed in the
+step that scores the request (vLLM never serves it from the prefix cache), so cached prefixes
+and chunked prefill change nothing here. Python forward hooks run only in eager mode: a config
+with a hidden part needs ``enforce_eager=True`` (refused at install otherwise).
 """
 
 from __future__ import annotations
@@ -25,12 +33,20 @@ from typing import Any
 
 import torch
 
-from guardrail.probe.config import ModelProbeConfig
+from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
 from guardrail.probe.kv_layout import KeyGather, key_gather_for
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, head_attention_stats, spans_to_mask
 from guardrail.protocol import MAX_STORED_RESULTS, PROBE_ARG, ProbeResultData, ProbeSpec
 
-__all__ = ["PROBES", "Layer", "Probe", "install_probe", "make_probe_forward", "uninstall_probe"]
+__all__ = [
+    "PROBES",
+    "HiddenReader",
+    "Layer",
+    "Probe",
+    "install_probe",
+    "make_probe_forward",
+    "uninstall_probe",
+]
 
 PROBES: dict[int, Probe] = {}
 """The probe of each engine in this process, by id() of the engine's VllmConfig: the stop
@@ -53,6 +69,8 @@ class _Row:
     instruction_mask: torch.Tensor
     data_mask: torch.Tensor
     scores: list[torch.Tensor] = field(default_factory=list)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> logit term, 0-d
+    streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> raw stream
     error: str | None = None
     stop_below: float | None = None
     stop_on_error: bool = True
@@ -68,13 +86,58 @@ class Layer:
     had_instance_forward: bool
 
 
+@dataclass
+class HiddenReader:
+    """One decoder layer whose residual stream the probe reads at the last prompt token."""
+
+    index: int
+    part: HiddenLayerProbe | None  # the config's read-out (None: raw stream only)
+    raw: bool  # return the whole stream (calibration)
+    handle: Any = None  # RemovableHandle of the forward hook
+    dims: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+    def to(self, device: Any) -> HiddenReader:
+        if self.part is not None:
+            p = self.part
+            self.dims = torch.tensor(p.dims, dtype=torch.long, device=device)
+            self.mean = torch.tensor(p.mean, dtype=torch.float32, device=device)
+            self.scale = torch.tensor(p.scale, dtype=torch.float32, device=device)
+            self.weights = torch.tensor(p.weights, dtype=torch.float32, device=device)
+        return self
+
+    def read(self, rows: list[_Row], hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """Each row's logit term (and raw stream), from the layer's output, kept on the device."""
+        ok = [r for r in rows if r.error is None]
+        if not ok:
+            return
+        index = torch.tensor([r.token_row for r in ok], device=hidden.device)
+        stream = hidden.index_select(0, index)
+        if residual is not None:
+            stream = stream + residual.index_select(0, index)
+        stream = stream.float()
+        if self.part is not None:
+            assert self.dims is not None and self.mean is not None
+            assert self.scale is not None and self.weights is not None
+            terms = ((stream.index_select(1, self.dims) - self.mean) / self.scale) @ self.weights
+            for r, term in zip(ok, terms, strict=True):
+                r.hidden[self.index] = term
+        if self.raw:
+            for r, x in zip(ok, stream, strict=True):
+                r.streams[self.index] = x
+
+
 class Probe:
     """Probe state of one worker: hooked layers, the current step's plan, finished results."""
 
     def __init__(self, heads: list[tuple[int, int]], fault_keys: set[str]) -> None:
         self.heads = heads
         self.layers: dict[int, Layer] = {}
-        self.last_layer = -1
+        self.hidden: dict[int, HiddenReader] = {}
+        self.last_layer = -1  # the step's probe finishes after this layer's attention ...
+        self.finish_on_hidden = False  # ... or after this decoder layer's output
         self.gather: KeyGather = _no_gather
         self.results: OrderedDict[str, ProbeResultData] = OrderedDict()
         # internal request id -> probe key while the request still waits for its score, else None
@@ -200,17 +263,22 @@ class Probe:
         stats = self._row_stats(rows)
         if self.tp_size > 1:
             stats = self._combine_ranks(rows, stats)
+        hidden = self._row_hidden(rows)
         latency = self.probe_seconds
-        for row, scores in zip(rows, stats, strict=True):
+        for row, scores, (terms, streams) in zip(rows, stats, hidden, strict=True):
             result: ProbeResultData = {
                 "num_prompt_tokens": row.num_prompt_tokens,
                 "probe_seconds": latency / max(len(rows), 1),
             }
             if row.error is None and scores is not None:
                 result["heads"] = [[lay, h, s] for (lay, h), s in scores.items()]
+                if terms:
+                    result["hidden"] = [[lay, t] for lay, t in terms.items()]
+                if streams:
+                    result["hidden_states"] = [[lay, x] for lay, x in streams.items()]
             else:
                 result["error"] = row.error or "probe: no score"
-            self._decide_stop(row, result, scores if row.error is None else None)
+            self._decide_stop(row, result, scores if row.error is None else None, terms)
             self.results[row.key] = result
         while len(self.results) > MAX_STORED_RESULTS:
             self.results.popitem(last=False)
@@ -229,6 +297,39 @@ class Probe:
             stats.append(dict(zip(heads, values[offset : offset + len(heads)], strict=True)))
             offset += len(heads)
         return stats
+
+    def _row_hidden(
+        self, rows: list[_Row]
+    ) -> list[tuple[dict[int, float], dict[int, list[float]]]]:
+        """Each row's hidden-state logit terms and raw streams, in one transfer."""
+        if not self.hidden:
+            return [({}, {}) for _ in rows]
+        flat: list[torch.Tensor] = []
+        for row in rows:
+            if row.error is None:
+                flat += [row.hidden[lay].reshape(1) for lay in sorted(row.hidden)]
+                flat += [row.streams[lay] for lay in sorted(row.streams)]
+        values = torch.cat(flat).tolist() if flat else []
+        out: list[tuple[dict[int, float], dict[int, list[float]]]] = []
+        offset = 0
+        for row in rows:
+            terms: dict[int, float] = {}
+            streams: dict[int, list[float]] = {}
+            if row.error is None:
+                for lay in sorted(row.hidden):
+                    terms[lay] = values[offset]
+                    offset += 1
+                for lay in sorted(row.streams):
+                    size = row.streams[lay].numel()
+                    streams[lay] = values[offset : offset + size]
+                    offset += size
+            out.append((terms, streams))
+        return out
+
+    def read_hidden(self, reader: HiddenReader, output: Any) -> None:
+        """The decoder-layer hook's body: read the rows' streams; errors stay with the rows."""
+        hidden, residual = output if isinstance(output, tuple) else (output, None)
+        reader.read(self.rows, hidden, residual)
 
     def _combine_ranks(
         self, rows: list[_Row], stats: list[dict[HeadKey, list[float]] | None]
@@ -260,7 +361,11 @@ class Probe:
         return combined
 
     def _decide_stop(
-        self, row: _Row, result: ProbeResultData, scores: dict[HeadKey, list[float]] | None
+        self,
+        row: _Row,
+        result: ProbeResultData,
+        scores: dict[HeadKey, list[float]] | None,
+        hidden: dict[int, float],
     ) -> None:
         """Early stop: a request whose focus is at or below its ``stop_below`` ends right after
         prefill (its first sampled token is forced to its stop token)."""
@@ -270,7 +375,7 @@ class Probe:
             stop = row.stop_on_error
         else:
             try:
-                focus = self.config.focus(scores)
+                focus = self.config.focus(scores, hidden)
                 result["focus"] = focus
                 stop = focus <= row.stop_below
             except Exception as exc:
@@ -315,11 +420,46 @@ def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:
             for row in probe.rows:
                 row.error = row.error or f"probe: {type(exc).__name__}: {exc}"
         probe.probe_seconds += time.perf_counter() - started
-        if probe.rows and layer.index == probe.last_layer:
+        if probe.rows and layer.index == probe.last_layer and not probe.finish_on_hidden:
             probe.finish_step()  # reached on every rank alike: tensor-parallel ranks combine here
         return out
 
     return forward
+
+
+def make_hidden_hook(probe: Probe, reader: HiddenReader, runner: Any) -> Any:
+    """The forward hook of one decoder layer read by the probe; never raises into the engine."""
+    from vllm.forward_context import get_forward_context
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        started = time.perf_counter()
+        try:
+            context = get_forward_context()
+            metadata: Any = context.attn_metadata
+            if isinstance(metadata, dict):
+                metadata = next(iter(metadata.values()), None)
+            if metadata is None or isinstance(metadata, list):  # warm-up, profiling
+                return
+            if probe.plan(runner, context, metadata):
+                probe.read_hidden(reader, output)
+        except Exception as exc:  # recorded for the step's rows
+            for row in probe.rows:
+                row.error = row.error or f"hidden layer {reader.index}: {type(exc).__name__}: {exc}"
+        probe.probe_seconds += time.perf_counter() - started
+        if probe.rows and probe.finish_on_hidden and reader.index == probe.last_layer:
+            probe.finish_step()
+
+    return hook
+
+
+def _decoder_layers(runner: Any) -> Any:
+    layers = getattr(getattr(runner.model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(runner.model).__name__} has no model.layers: the hidden-state signal "
+            "cannot read this model; use an attention-only config"
+        )
+    return layers
 
 
 def install_probe(
@@ -329,11 +469,14 @@ def install_probe(
     info: dict[str, Any],
     fault_keys: set[str],
     config: ModelProbeConfig | None,
+    raw_hidden_layers: list[int] | None = None,
 ) -> Probe:
     """Wrap ``impl.forward`` of every attention layer holding one of ``heads`` (global indices;
     this rank scores those among its own query heads); ``config`` combines head scores into the
     focus, for early stops. With tensor parallelism every rank hooks the same layers, also those
-    where it holds none of the heads, so all ranks finish a step's probe together."""
+    where it holds none of the heads, so all ranks finish a step's probe together (the residual
+    stream between layers is the same on every rank). The decoder layers of ``config.hidden``
+    and ``raw_hidden_layers`` (whose whole stream is returned: calibration) are hooked too."""
     per_rank = info["num_heads"] // info["tp_size"]
     lo = info["tp_rank"] * per_rank
     # With pipeline parallelism this stage holds some layers only: it scores their heads, and
@@ -361,7 +504,45 @@ def install_probe(
         module.impl.forward = make_probe_forward(probe, layer, runner)
         probe.layers[layer_index] = layer
     probe.last_layer = max(probe.layers, default=-1)
+    _install_hidden(probe, runner, info, config, raw_hidden_layers or [])
     return probe
+
+
+def _install_hidden(
+    probe: Probe,
+    runner: Any,
+    info: dict[str, Any],
+    config: ModelProbeConfig | None,
+    raw_layers: list[int],
+) -> None:
+    parts = {p.layer: p for p in (config.hidden if config is not None else None) or []}
+    wanted = sorted(set(parts) | set(raw_layers))
+    if not wanted:
+        return
+    if not info["enforce_eager"]:
+        raise ValueError(
+            "the hidden-state signal needs an engine started with enforce_eager=True: in "
+            "compiled mode the decoder layers run inside a captured graph where its hooks "
+            "never fire (or use an attention-only config)"
+        )
+    layers = _decoder_layers(runner)
+    for index in wanted:
+        if not 0 <= index < len(layers):
+            raise ValueError(f"hidden layer {index} outside the model's {len(layers)} layers")
+        part = parts.get(index)
+        if part is not None and max(part.dims) >= info["hidden_size"]:
+            raise ValueError(
+                f"hidden layer {index} reads coordinate {max(part.dims)}, outside the "
+                f"model's hidden size {info['hidden_size']}"
+            )
+    # With pipeline parallelism a stage holds some layers only (the others are placeholders).
+    held = [i for i in wanted if type(layers[i]).__name__ != "PPMissingLayer"]
+    for index in held:
+        reader = HiddenReader(index, parts.get(index), index in raw_layers).to(runner.device)
+        reader.handle = layers[index].register_forward_hook(make_hidden_hook(probe, reader, runner))
+        probe.hidden[index] = reader
+    if probe.hidden and max(probe.hidden) >= probe.last_layer:
+        probe.last_layer, probe.finish_on_hidden = max(probe.hidden), True
 
 
 def uninstall_probe(probe: Probe) -> None:
@@ -371,3 +552,6 @@ def uninstall_probe(probe: Probe) -> None:
             layer.impl.forward = layer.original_forward
         else:
             del layer.impl.forward  # back to the class's method
+    for reader in probe.hidden.values():
+        reader.handle.remove()
+    probe.hidden.clear()

@@ -356,3 +356,60 @@ def test_broken_json_is_a_config_error_naming_the_file(tmp_path, content, messag
 def test_a_directory_is_not_a_config(tmp_path):
     with pytest.raises(ConfigError, match="model config file not found"):
         read_model_config(tmp_path)
+
+
+def _hidden(**overrides):
+    part = {"layer": 1, "dims": [0, 5], "mean": [0.0, 1.0], "scale": [1.0, 2.0]}
+    return [{**part, "weights": [1.0, -1.0], **overrides}]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"hidden": _hidden()}, "hidden is only used by probe 'logistic'"),
+        ({"probe": "logistic", "weights": [0.0], "hidden": _hidden(weights=[1.0])}, "2 dims, 2 "),
+        ({"probe": "logistic", "weights": [0.0], "hidden": _hidden(scale=[1.0, 0.0])}, "> 0"),
+        ({"probe": "logistic", "weights": [0.0], "hidden": _hidden(dims=[3, 3])}, "distinct"),
+        (
+            {"probe": "logistic", "weights": [0.0], "hidden": _hidden() + _hidden()},
+            "lists a layer twice",
+        ),
+        (
+            {"probe": "logistic", "weights": [0.0], "hidden": _hidden(), "hidden_size": 4},
+            "reads coordinate 5, outside the config's hidden_size 4",
+        ),
+        (
+            {"probe": "logistic", "weights": [0.0], "hidden": _hidden(layer=7), "num_layers": 4},
+            "hidden layer 7 lies outside the config's 4 layers",
+        ),
+    ],
+)
+def test_invalid_hidden_parts_name_the_problem(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ModelProbeConfig.model_validate({"model_id": "m", "heads": [[0, 0]], **fields})
+
+
+def test_hidden_terms_add_to_the_logit():
+    """focus = 1 - sigmoid(bias + head part + hidden terms); the terms are each layer's
+    standardised read-out, computed independently here."""
+    cfg = ModelProbeConfig.model_validate(
+        {
+            "model_id": "m",
+            "heads": [[0, 0]],
+            "probe": "logistic",
+            "weights": [-2.0],
+            "bias": 0.5,
+            "hidden": _hidden(),
+        }
+    )
+    stream = np.zeros(8)
+    stream[0], stream[5] = 3.0, 5.0
+    term = cfg.hidden[0].project(stream)
+    assert term == pytest.approx(3.0 * 1.0 - (5.0 - 1.0) / 2.0)
+    focus = cfg.focus({(0, 0): [0.8, 0.2, 0, 0, 0]}, {1: term})
+    z = 0.5 - 2.0 * 0.8 + term
+    assert focus == pytest.approx(1 - 1 / (1 + math.exp(-z)))
+    with pytest.raises(ValueError, match="hidden state of layers \\[1\\]"):
+        cfg.focus({(0, 0): [0.8, 0.2, 0, 0, 0]})
+    with pytest.raises(HeadsDoNotFitModelError, match="hidden state of layers \\[1\\]"):
+        cfg.check_fits(1, 4)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import start_engine
+from tests.helpers import start_engine, tiny_hidden_config
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -55,6 +55,20 @@ def tiny_engine(tiny_llama_dir: Path) -> Iterator[object]:
 @pytest.fixture(scope="session")
 def tiny_qwen2_engine(tiny_qwen2_dir: Path) -> Iterator[object]:
     engine = start_engine(tiny_qwen2_dir, multiprocess=True)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_hidden_engine(tiny_llama_dir: Path) -> Iterator[object]:
+    """Tiny Llama with the hidden-state signal: a config reading layers 1 and 2, and the whole
+    stream of layers 0-2 returned with every result (as calibration reads it)."""
+    engine = start_engine(
+        tiny_llama_dir,
+        multiprocess=True,
+        probe_config=tiny_hidden_config(),
+        probe_hidden_layers=[0, 1, 2],
+    )
     yield engine
     engine.close()
 

@@ -129,6 +129,37 @@ def tiny_config(model_id: str = "tiny", threshold: float | None = 0.5):  # type:
     return ModelProbeConfig(model_id=model_id, heads=heads, threshold=threshold)
 
 
+def tiny_hidden_config():  # type: ignore[no-untyped-def]
+    """A logistic probe over every head of tiny Llama plus a random sparse read-out of the
+    hidden state of layers 1 and 2 (12 of its 128 coordinates each)."""
+    import numpy as np
+
+    from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
+
+    rng = np.random.default_rng(0)
+    heads = [(layer, head) for layer in range(4) for head in range(4)]
+    parts = [
+        HiddenLayerProbe(
+            layer=layer,
+            dims=sorted(rng.choice(128, 12, replace=False).tolist()),
+            mean=rng.normal(0, 0.1, 12).tolist(),
+            scale=rng.uniform(0.5, 2.0, 12).tolist(),
+            weights=rng.normal(0, 1.0, 12).tolist(),
+        )
+        for layer in (1, 2)
+    ]
+    return ModelProbeConfig(
+        model_id="tiny",
+        probe="logistic",
+        heads=heads,
+        weights=rng.normal(0, 0.5, len(heads)).tolist(),
+        bias=0.1,
+        hidden=parts,
+        threshold=0.5,
+        hidden_size=128,
+    )
+
+
 @contextlib.contextmanager
 def engine_mode(multiprocess: bool) -> Iterator[None]:
     """vLLM's in-process or multi-process engine for the engine started in the block."""

@@ -21,6 +21,7 @@ from guardrail.cli.common import (
 )
 from guardrail.errors import ConfigError
 from guardrail.offline.calibration import CalibrationSettings, calibrate_probes
+from guardrail.offline.combined import fit_combined, worst_source_threshold
 from guardrail.offline.datasets import LabelledPair, ScoreTable, pairs_sha256
 from guardrail.probe.config import Calibration, ModelProbeConfig, read_model_config
 from guardrail.probe.scoring import HeadKey
@@ -42,7 +43,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="injected twins per benign row, when the data has no labels",
     )
-    parser.add_argument("--probe", choices=["auto", "logistic", "mean_focus"], default="auto")
+    parser.add_argument(
+        "--probe",
+        choices=["auto", "logistic", "mean_focus", "combined"],
+        default="auto",
+        help="probe kind to write (auto: the best cross-validated AUROC; combined needs "
+        "--hidden-layers: attention features and the hidden state in one sparse model)",
+    )
     parser.add_argument(
         "--feature",
         choices=["logit_focus", "attention_stats", "focus"],
@@ -80,19 +87,26 @@ def probe_config(
     model_id: str,
     heads: Sequence[HeadKey],
     provenance: dict[str, Any],
+    hidden_size: int | None = None,
 ) -> ModelProbeConfig:
-    """A validated ``ModelProbeConfig`` from one probe of :func:`calibrate_probes`."""
+    """A validated ``ModelProbeConfig`` from one probe of :func:`calibrate_probes` (or of
+    :func:`combined_probe`: a logistic probe with a hidden-state part)."""
+    linear = kind in ("logistic", "combined")
     return ModelProbeConfig(
         model_id=model_id,
-        probe=kind,  # type: ignore[arg-type]
+        probe="logistic" if linear else kind,  # type: ignore[arg-type]
         heads=[(int(a), int(b)) for a, b in probe["heads"]],
-        weights=probe["weights"] if kind == "logistic" else None,
-        bias=probe["bias"] if kind == "logistic" else 0.0,
-        feature=probe.get("feature", "focus") if kind == "logistic" else "focus",
+        weights=probe["weights"] if linear else None,
+        bias=probe["bias"] if linear else 0.0,
+        feature=probe.get("feature", "focus") if linear else "focus",
+        hidden=probe.get("hidden") if kind == "combined" else None,
         threshold=probe["threshold"],
         num_layers=max(h[0] for h in heads) + 1,
         num_heads=max(h[1] for h in heads) + 1,
-        source="guardrail calibrate: per-head attention stats from the serving probe",
+        hidden_size=hidden_size if kind == "combined" else None,
+        source="guardrail calibrate: per-head attention stats"
+        + (" and last-token hidden states" if kind == "combined" else "")
+        + " from the serving probe",
         calibration=Calibration(
             **provenance, thresholds=probe["thresholds"], notes=probe.get("notes", "")
         ),
@@ -154,17 +168,68 @@ def _fit(
         )
 
 
+def combined_probe(
+    args: argparse.Namespace,
+    pairs: Sequence[LabelledPair],
+    table: ScoreTable,
+    layers: Sequence[int],
+) -> dict[str, Any]:
+    """The combined probe over every head of ``layers`` (the attention probe's layer budget)
+    and the table's hidden layers; its threshold flags at most ``--target-fpr`` of the clean
+    rows of every corpus (``corpus`` field, else task), on out-of-fold focus."""
+    cols = [j for j, (layer, _) in enumerate(table.heads) if layer in set(layers)]
+    labels = np.array([p.label for p in pairs])
+    fit = fit_combined(
+        table.values[:, cols],
+        [table.heads[j] for j in cols],
+        table.hidden,
+        labels,
+        [p.group for p in pairs],
+        feature=args.feature,
+        folds=args.folds,
+        seed=args.seed,
+    )
+    sources = [str(p.extra.get("corpus") or p.task) for p in pairs]
+    threshold, per_source = worst_source_threshold(fit.oof_focus, labels, sources, args.target_fpr)
+    values = {f"worst-source fpr@{args.target_fpr:g}": round(threshold, 6)}
+    values.update(
+        {f"{name} fpr@{args.target_fpr:g}": round(v, 6) for name, v in per_source.items()}
+    )
+    return {
+        "heads": fit.heads,
+        "weights": fit.weights,
+        "bias": fit.bias,
+        "feature": fit.feature,
+        "hidden": [part.model_dump() for part in fit.hidden],
+        "threshold": float(np.clip(threshold, 0.0, 1.0)),
+        "thresholds": values,
+        "cv_auroc": fit.cv_auroc,
+        "notes": f"L1 logistic on {fit.feature} of the heads of layers {sorted(layers)} and the "
+        f"hidden state of layers {sorted(table.hidden)}, C={fit.c}; threshold flags at most "
+        f"{args.target_fpr:g} of every corpus' clean rows (out-of-fold focus)",
+    }
+
+
 def run(args: argparse.Namespace, engine: Any) -> int:
     model, default_id = resolve_model(args.model)
     model_id = args.model_id or default_id
     pairs, labelled = read_rows(args, args.exclude_split, False, args.twins_per_row)
     pairs, table, skipped, score_seconds = scores_for(pairs, args, model, "all", engine)
     started = time.perf_counter()
+    if args.probe == "combined" and not table.hidden:
+        raise ConfigError("--probe combined needs --hidden-layers (the layers it reads)")
     result = _fit(args, pairs, table)
+    if table.hidden:
+        layers = sorted({layer for layer, _ in result["probes"]["logistic"]["heads"]})
+        result["probes"]["combined"] = combined_probe(args, pairs, table, layers)
+        if args.probe in ("auto", "combined"):
+            best = max(result["probes"], key=lambda k: result["probes"][k]["cv_auroc"])
+            result["chosen"] = "combined" if args.probe == "combined" else best
     fit_seconds = time.perf_counter() - started
     provenance = _provenance(args, pairs, labelled, skipped, table)
+    hidden_size = next((v.shape[1] for v in table.hidden.values()), None)
     configs = {
-        kind: probe_config(probe, kind, model_id, table.heads, provenance)
+        kind: probe_config(probe, kind, model_id, table.heads, provenance, hidden_size)
         for kind, probe in result["probes"].items()
     }
     path = args.out / f"{args.name or model_id.split('/')[-1]}.json"

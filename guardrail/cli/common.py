@@ -23,6 +23,7 @@ from guardrail.offline.datasets import (
     read_split,
     sample_groups,
 )
+from guardrail.offline.layouts import request_for
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey
 
@@ -62,6 +63,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--hidden-layers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="decoder layers whose residual stream at the last prompt token is read too "
+        "(calibrate: the combined probe reads attention and these layers)",
+    )
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
@@ -87,6 +96,7 @@ def open_engine(model: str, heads: Sequence[HeadKey] | str, args: argparse.Names
         model,
         placeholder,
         probe_heads=heads,
+        probe_hidden_layers=list(getattr(args, "hidden_layers", None) or []),
         dtype=args.dtype,
         enforce_eager=True,
         max_model_len=args.max_model_len,
@@ -133,12 +143,14 @@ def score_pairs(
     batch with what was scored so far (the score cache saves it, so a stopped run resumes).
     """
     heads = list(engine.probe_heads)
+    hidden_layers = list(getattr(engine, "probe_hidden_layers", []))
     keys, values, prompt_tokens, data_tokens = [], [], [], []
+    streams: dict[int, list[Any]] = {layer: [] for layer in hidden_layers}
     skipped: list[dict[str, str]] = []
     todo = []
     for pair in pairs:
         try:
-            prepared = engine.prepare((pair.instruction, pair.data))
+            prepared = engine.prepare(request_for(pair))
         except RequestError as exc:
             skipped.append({"id": pair.id, "reason": str(exc)[:160]})
             continue
@@ -155,9 +167,7 @@ def score_pairs(
     bar = tqdm(total=len(todo), desc="scoring", unit="row", disable=len(todo) == 0)
     for start in range(0, len(todo), batch_size):
         chunk = todo[start : start + batch_size]
-        for pair, out in zip(
-            chunk, engine.score([(p.instruction, p.data) for p in chunk]), strict=True
-        ):
+        for pair, out in zip(chunk, engine.score([request_for(p) for p in chunk]), strict=True):
             probe = out.probe
             if out.error is not None or probe is None or not probe.head_stats:
                 reason = str(out.error or (probe.error if probe else "no probe result"))
@@ -165,13 +175,17 @@ def score_pairs(
                 continue
             keys.append(content_key(pair))
             values.append([probe.head_stats[h] for h in heads])
+            for layer in hidden_layers:
+                streams[layer].append(probe.hidden_states[layer])
             prompt_tokens.append(probe.num_prompt_tokens)
             data_tokens.append(out.prompt.num_data_tokens)
         bar.update(len(chunk))
         if checkpoint is not None and start + batch_size < len(todo):
-            checkpoint(_table(model, heads, keys, values, prompt_tokens, data_tokens), skipped)
+            checkpoint(
+                _table(model, heads, keys, values, prompt_tokens, data_tokens, streams), skipped
+            )
     bar.close()
-    return _table(model, heads, keys, values, prompt_tokens, data_tokens), skipped
+    return _table(model, heads, keys, values, prompt_tokens, data_tokens, streams), skipped
 
 
 def _table(
@@ -181,6 +195,7 @@ def _table(
     values: list[list[Any]],
     prompt_tokens: list[int],
     data_tokens: list[int],
+    streams: dict[int, list[Any]],
 ) -> ScoreTable:
     return ScoreTable(
         model,
@@ -189,6 +204,10 @@ def _table(
         np.asarray(values, dtype=float).reshape(-1, len(heads), len(ATTENTION_STATS)),
         np.asarray(prompt_tokens),
         np.asarray(data_tokens),
+        hidden={
+            layer: np.asarray(rows, dtype=np.float32).reshape(len(keys), -1)
+            for layer, rows in streams.items()
+        },
     )
 
 
@@ -214,6 +233,12 @@ def scores_for(
         raise GuardrailError(
             f"--scores-cache {args.scores_cache} holds scores of {cache.model!r}, "
             f"not {model!r}: use another cache file"
+        )
+    wanted_hidden = sorted(getattr(args, "hidden_layers", None) or [])
+    if cache is not None and sorted(cache.hidden) != wanted_hidden:
+        raise GuardrailError(
+            f"--scores-cache {args.scores_cache} holds hidden states of layers "
+            f"{sorted(cache.hidden)}, not the {wanted_hidden} asked for: use another cache file"
         )
     found = set(cache.rows(pairs)[0]) if cache is not None else set()
     known_skips = cache.skipped if cache is not None else {}

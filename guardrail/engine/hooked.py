@@ -137,6 +137,7 @@ class HookedLLM:
         check_served_model(info, self.config, self.model)  # sizes must match; another id warns
         heads = heads_to_score(self.config, info, probe_heads)
         self.probe_heads: list[HeadKey] = heads
+        self.probe_hidden_layers: list[int] = sorted(set(raw_hidden))
         self.probe = ProbeClient(
             self.config,
             tp_size=info["tp_size"],

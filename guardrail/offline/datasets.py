@@ -424,8 +424,11 @@ def read_split(path: str | Path) -> set[str]:
 
 
 def content_key(pair: LabelledPair) -> str:
-    """Key of a row's scored content (instruction and data), for caching head scores."""
-    return hashlib.sha256(f"{pair.instruction}\0{pair.data}".encode()).hexdigest()
+    """Key of a row's scored content (instruction, data and, when not the default ``pair``,
+    the prompt layout it is rendered in), for caching scores."""
+    layout = pair.extra.get("layout", "pair")
+    text = f"{pair.instruction}\0{pair.data}" + ("" if layout == "pair" else f"\0{layout}")
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass
@@ -434,8 +437,10 @@ class ScoreTable:
     column j is ``heads[j]`` (``guardrail.probe.scoring.ATTENTION_STATS`` on the last axis).
 
     Token counts ride along (the length confound check), and ``skipped`` remembers rows that
-    could not be scored (content key -> reason). Saved as ``.npz`` so calibration and
-    evaluation can reuse one scoring pass; rows are matched by :func:`content_key`.
+    could not be scored (content key -> reason). ``hidden`` holds the residual stream at the
+    last prompt token of the hidden layers read (layer -> ``[rows, hidden_size]``), empty when
+    none were. Saved as ``.npz`` so calibration and evaluation can reuse one scoring pass; rows
+    are matched by :func:`content_key`.
     """
 
     model: str
@@ -445,6 +450,7 @@ class ScoreTable:
     prompt_tokens: np.ndarray
     data_tokens: np.ndarray
     skipped: dict[str, str] = field(default_factory=dict)
+    hidden: dict[int, np.ndarray] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
         skipped = sorted(self.skipped.items())
@@ -457,6 +463,7 @@ class ScoreTable:
             "data_tokens": self.data_tokens,
             "skipped_keys": np.array([k for k, _ in skipped], dtype=str),
             "skipped_reasons": np.array([r for _, r in skipped], dtype=str),
+            **{f"hidden_{layer}": values for layer, values in self.hidden.items()},
         }
         np.savez_compressed(Path(path), **arrays)  # type: ignore[arg-type]
 
@@ -483,6 +490,11 @@ class ScoreTable:
                 z["prompt_tokens"],
                 z["data_tokens"],
                 skipped,
+                {
+                    int(name.removeprefix("hidden_")): z[name]
+                    for name in z.files
+                    if name.startswith("hidden_")
+                },
             )
 
     def select(self, rows: Sequence[int]) -> ScoreTable:
@@ -494,6 +506,7 @@ class ScoreTable:
             self.values[list(rows)],
             self.prompt_tokens[list(rows)],
             self.data_tokens[list(rows)],
+            hidden={layer: values[list(rows)] for layer, values in self.hidden.items()},
         )
 
     def rows(self, pairs: Sequence[LabelledPair]) -> tuple[list[int], list[int]]:
@@ -506,6 +519,11 @@ class ScoreTable:
         """This table plus the rows (and skips) of ``other`` it lacks (same model and heads)."""
         if other.heads != self.heads or other.model != self.model:
             raise ConfigError("cannot merge head scores of different models or head sets")
+        if sorted(other.hidden) != sorted(self.hidden):
+            raise ConfigError(
+                f"cannot merge scores read at hidden layers {sorted(other.hidden)} into a cache "
+                f"read at {sorted(self.hidden)}: use another --scores-cache path"
+            )
         known = set(self.keys)
         new = [j for j, k in enumerate(other.keys) if k not in known]
         merged = self.select(range(len(self.keys)))
@@ -518,4 +536,8 @@ class ScoreTable:
             np.r_[merged.prompt_tokens, extra.prompt_tokens],
             np.r_[merged.data_tokens, extra.data_tokens],
             {**self.skipped, **other.skipped},
+            {
+                layer: np.concatenate([merged.hidden[layer], extra.hidden[layer]])
+                for layer in self.hidden
+            },
         )

@@ -160,6 +160,64 @@ def test_calibrate_then_evaluate_on_the_tiny_model(tiny_engine, tiny_llama_dir, 
     )
 
 
+@pytest.mark.timeout(900)
+def test_calibrate_a_combined_probe_on_the_tiny_model(
+    tiny_hidden_engine, tiny_llama_dir, tmp_path, capsys
+):
+    """Attention and hidden state in one sparse model, end to end: the rows are scored once
+    through the serving probe (heads and whole hidden streams), the written config reads the
+    hidden state, and an engine serving it scores every row as the config computes offline."""
+    rows = write_rows(tmp_path / "rows.jsonl", labelled=True)
+    cache = tmp_path / "scores.npz"
+
+    def calibrate(*hidden_layers: str) -> list[str]:
+        return [
+            "calibrate",
+            "--data",
+            str(tmp_path / "rows.jsonl"),
+            "--out",
+            str(tmp_path / "cfg"),
+            "--model-id",
+            "tiny/llama",
+            "--probe",
+            "combined",
+            "--hidden-layers",
+            *hidden_layers,
+            "--scores-cache",
+            str(cache),
+            "--folds",
+            "3",
+            "--max-layers",
+            "1",
+            *engine_args(tiny_llama_dir),
+        ]
+
+    assert main(calibrate("0", "1", "2"), engine=tiny_hidden_engine) == 0
+    config = read_model_config(tmp_path / "cfg" / "llama.json")
+    assert config.probe == "logistic" and config.hidden and config.hidden_size == 128
+    assert config.calibration is not None and config.calibration.num_examples == len(rows)
+    assert any(k.startswith("worst-source fpr@0.01") for k in config.calibration.thresholds)
+    table = ScoreTable.load(cache)
+    assert sorted(table.hidden) == [0, 1, 2] and table.hidden[0].shape == (len(rows), 128)
+    # the config's focus, computed offline from the cached heads and streams, is what the
+    # serving probe gives the same rows
+    column = {h: j for j, h in enumerate(table.heads)}
+    want = []
+    for i in range(len(rows)):
+        heads = {h: table.values[i, column[h]] for h in config.heads}
+        terms = {p.layer: p.project(table.hidden[p.layer][i]) for p in config.hidden}
+        want.append(config.focus(heads, terms))
+    served = tiny_hidden_engine.score([(r.instruction, r.data) for r in rows])
+    for out in served:
+        hidden = {p.layer: p.project(out.probe.hidden_states[p.layer]) for p in config.hidden}
+        got = config.focus(out.probe.head_stats, hidden)
+        assert got == pytest.approx(want[out.index], abs=1e-4)
+    # the same cache asked for other hidden layers is refused with the fix
+    capsys.readouterr()
+    assert main(calibrate("1"), engine=tiny_hidden_engine) == 2
+    assert "holds hidden states of layers [0, 1, 2], not the [1] asked" in capsys.readouterr().err
+
+
 class StopsAfter:
     """The real engine, interrupted (as by Ctrl-C) after ``calls`` score calls; counts rows."""
 
@@ -252,6 +310,7 @@ def test_calibrate_from_benign_pairs_alone(tiny_engine, tiny_llama_dir, tmp_path
         str(cache),
         *engine_args(tiny_llama_dir),
     ]
+
     assert main(args, engine=tiny_engine) == 0
     config = read_model_config(tmp_path / f"{tiny_llama_dir.name}.json")
     assert config.probe == "mean_focus" and config.weights is None

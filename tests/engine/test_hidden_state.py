@@ -10,7 +10,6 @@ the worker uses for early stops must be the one the caller computes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -19,47 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
-from tests.helpers import _load, hf_head_stats, mixed_batch, start_engine
+from guardrail.probe.config import ModelProbeConfig
+from tests.helpers import _load, hf_head_stats, mixed_batch
 
-RAW_LAYERS = [0, 1, 2]
-HIDDEN = 128  # tiny Llama's hidden size
-
-
-def _config() -> ModelProbeConfig:
-    rng = np.random.default_rng(0)
-    heads = [(layer, head) for layer in range(4) for head in range(4)]
-    parts = []
-    for layer in (1, 2):
-        dims = sorted(rng.choice(HIDDEN, 12, replace=False).tolist())
-        parts.append(
-            HiddenLayerProbe(
-                layer=layer,
-                dims=dims,
-                mean=rng.normal(0, 0.1, 12).tolist(),
-                scale=rng.uniform(0.5, 2.0, 12).tolist(),
-                weights=rng.normal(0, 1.0, 12).tolist(),
-            )
-        )
-    return ModelProbeConfig(
-        model_id="tiny",
-        probe="logistic",
-        heads=heads,
-        weights=rng.normal(0, 0.5, len(heads)).tolist(),
-        bias=0.1,
-        hidden=parts,
-        threshold=0.5,
-        hidden_size=HIDDEN,
-    )
+RAW_LAYERS = [0, 1, 2]  # tiny_hidden_engine reads these layers' whole streams
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir: Path) -> Iterator[Any]:
-    engine = start_engine(
-        tiny_llama_dir, multiprocess=True, probe_config=_config(), probe_hidden_layers=RAW_LAYERS
-    )
-    yield engine
-    engine.close()
+@pytest.fixture
+def engine(tiny_hidden_engine: Any) -> Any:
+    return tiny_hidden_engine
 
 
 @lru_cache(maxsize=64)

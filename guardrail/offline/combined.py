@@ -1,0 +1,212 @@
+"""The combined probe: attention features and hidden-state features in one sparse linear model.
+
+Pure functions over what the serving probe measured for labelled rows: per-head attention stats
+``[rows, heads, 5]`` and the residual stream at the last prompt token of a few decoder layers
+(``{layer: [rows, hidden_size]}``). Every column is standardised, one L1-penalised logistic
+regression predicts injection from all of them (the penalty keeps few heads and few hidden
+coordinates), and the fit becomes a ``ModelProbeConfig``: head weights folded back to the raw
+feature scale (as the attention-only logistic probe stores them), hidden coordinates kept with
+their standardisation (``HiddenLayerProbe``: ``dims``, ``mean``, ``scale``, ``weights``), so the
+worker computes ``sum(weights * (x[dims] - mean) / scale)`` per layer.
+
+The penalty strength is chosen by cross-validation over groups (a group's rows never straddle
+folds), and thresholds are set on out-of-fold scores. :func:`worst_source_threshold` sets the
+operating point on the *worst* source's clean rows, so a threshold meant to flag 1 % of clean
+traffic does so on each source it was calibrated on, not only on the pooled rows.
+
+Example:
+    >>> rng = np.random.default_rng(0)
+    >>> y = np.r_[np.zeros(40), np.ones(40)].astype(int)
+    >>> stats = rng.uniform(0.2, 0.8, (80, 2, 5)); hidden = {3: rng.normal(0, 1, (80, 16))}
+    >>> hidden[3][y == 1, 5] += 3.0  # one hidden coordinate tells injections apart
+    >>> fit = fit_combined(stats, [(0, 0), (0, 1)], hidden, y, [str(i) for i in range(80)])
+    >>> 5 in fit.hidden[0].dims, fit.cv_auroc > 0.9
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from guardrail.offline.calibration import group_folds, threshold_at_fpr
+from guardrail.offline.evaluation import auroc
+from guardrail.probe.config import HiddenLayerProbe
+from guardrail.probe.scoring import FEATURES_PER_HEAD, FeatureKind, HeadKey, head_features
+
+__all__ = [
+    "COMBINED_C_GRID",
+    "CombinedFit",
+    "combined_focus",
+    "feature_matrix",
+    "fit_combined",
+    "worst_source_threshold",
+]
+
+COMBINED_C_GRID: tuple[float, ...] = (0.003, 0.01, 0.03, 0.1, 0.3)
+"""Inverse L1 strengths tried (on standardised columns; small C = few columns kept)."""
+
+
+@dataclass(frozen=True)
+class CombinedFit:
+    """A fitted combined probe, in the form a config stores it."""
+
+    heads: list[HeadKey]  # heads with a non-zero weight (at least one is kept)
+    weights: list[float]  # head-major, raw feature scale
+    bias: float
+    hidden: list[HiddenLayerProbe]  # one per layer with a non-zero coordinate
+    feature: FeatureKind
+    c: float
+    cv_auroc: float
+    oof_focus: np.ndarray  # out-of-fold focus of every row (thresholds are set on it)
+
+
+def feature_matrix(
+    stats: np.ndarray,
+    hidden: Mapping[int, np.ndarray],
+    feature: FeatureKind,
+) -> np.ndarray:
+    """Columns: the heads' features (head-major), then each hidden layer's coordinates in
+    ascending layer order. ``stats [rows, heads, 5]``, ``hidden {layer: [rows, size]}``."""
+    parts = [head_features(stats, feature)] if stats.shape[1] else []
+    parts += [np.asarray(hidden[layer], dtype=np.float64) for layer in sorted(hidden)]
+    return np.concatenate(parts, axis=1)
+
+
+def _fit(
+    x: np.ndarray, y: np.ndarray, c: float
+) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+    """L1 logistic on standardised columns: (weights, intercept, mean, std) on that scale."""
+    from sklearn.linear_model import LogisticRegression
+
+    mean = x.mean(axis=0)
+    std = np.maximum(x.std(axis=0), 1e-6)
+    model = LogisticRegression(
+        C=c,
+        l1_ratio=1.0,
+        solver="liblinear",
+        class_weight="balanced",
+        intercept_scaling=10.0,
+        max_iter=2000,
+        random_state=0,
+    )
+    model.fit((x - mean) / std, y)
+    return model.coef_[0], float(model.intercept_[0]), mean, std
+
+
+def _oof_logit(x: np.ndarray, y: np.ndarray, folds: np.ndarray, c: float) -> np.ndarray:
+    logit = np.empty(len(y))
+    for fold in np.unique(folds):
+        test = folds == fold
+        w, b, mean, std = _fit(x[~test], y[~test], c)
+        logit[test] = b + ((x[test] - mean) / std) @ w
+    return logit
+
+
+def _focus(logit: np.ndarray) -> np.ndarray:
+    return 1.0 - 1.0 / (1.0 + np.exp(-np.clip(logit, -50, 50)))
+
+
+def fit_combined(
+    stats: np.ndarray,
+    heads: Sequence[HeadKey],
+    hidden: Mapping[int, np.ndarray],
+    labels: np.ndarray,
+    groups: Sequence[str],
+    feature: FeatureKind = "logit_focus",
+    c_grid: Sequence[float] = COMBINED_C_GRID,
+    folds: int = 5,
+    seed: int = 0,
+) -> CombinedFit:
+    """Fit the combined probe; C by grouped cross-validation (best out-of-fold AUROC)."""
+    x = feature_matrix(stats, hidden, feature)
+    y = np.asarray(labels, dtype=int)
+    fold_of = group_folds(groups, folds, seed)
+    best: tuple[float, float, np.ndarray] | None = None
+    for c in c_grid:
+        logit = _oof_logit(x, y, fold_of, c)
+        score = auroc(y, logit)
+        if best is None or score > best[0] + 1e-4:
+            best = (score, c, logit)
+    assert best is not None
+    cv_auroc, c, oof_logit = best
+    w, b, mean, std = _fit(x, y, c)
+    per_head = FEATURES_PER_HEAD[feature]
+    n_head_cols = len(heads) * per_head
+    head_w = w[:n_head_cols].reshape(len(heads), per_head)
+    keep = [j for j in range(len(heads)) if np.any(np.abs(head_w[j]) > 1e-9)] or [0]
+    raw_w = (w[:n_head_cols] / std[:n_head_cols]).reshape(len(heads), per_head)
+    # the head part on the raw feature scale: z = b - sum(w * mean / std) + sum(w / std * f)
+    bias = b - float(np.dot(w[:n_head_cols], mean[:n_head_cols] / std[:n_head_cols]))
+    parts: list[HiddenLayerProbe] = []
+    offset = n_head_cols
+    for layer in sorted(hidden):
+        size = np.asarray(hidden[layer]).shape[1]
+        lw = w[offset : offset + size]
+        dims = np.flatnonzero(np.abs(lw) > 1e-9)
+        if len(dims):
+            parts.append(
+                HiddenLayerProbe(
+                    layer=int(layer),
+                    dims=[int(d) for d in dims],
+                    mean=[float(v) for v in mean[offset + dims]],
+                    scale=[float(v) for v in std[offset + dims]],
+                    weights=[float(v) for v in lw[dims]],
+                )
+            )
+        offset += size
+    return CombinedFit(
+        heads=[tuple(heads[j]) for j in keep],  # type: ignore[misc]
+        weights=[float(v) for j in keep for v in raw_w[j]],
+        bias=bias,
+        hidden=parts,
+        feature=feature,
+        c=c,
+        cv_auroc=float(cv_auroc),
+        oof_focus=_focus(oof_logit),
+    )
+
+
+def combined_focus(
+    fit: CombinedFit,
+    stats: np.ndarray,
+    heads: Sequence[HeadKey],
+    hidden: Mapping[int, np.ndarray],
+) -> np.ndarray:
+    """The focus a config made from ``fit`` gives each row (vectorised ``config.focus``):
+    ``stats [rows, heads, 5]`` with column j = ``heads[j]``, ``hidden {layer: [rows, size]}``."""
+    column = {tuple(h): j for j, h in enumerate(heads)}
+    cols = [column[tuple(h)] for h in fit.heads]
+    feats = head_features(stats[:, cols], fit.feature)
+    logit = fit.bias + feats @ np.asarray(fit.weights)
+    for part in fit.hidden:
+        x = np.asarray(hidden[part.layer], dtype=np.float64)[:, part.dims]
+        logit = logit + ((x - part.mean) / np.asarray(part.scale)) @ np.asarray(part.weights)
+    return _focus(logit)
+
+
+def worst_source_threshold(
+    focus: np.ndarray, labels: np.ndarray, sources: Sequence[str], fpr: float
+) -> tuple[float, dict[str, float]]:
+    """The threshold that flags at most ``fpr`` of the clean rows of *every* source (the lowest
+    of the per-source thresholds), and each source's own threshold.
+
+    Example:
+        >>> f = np.r_[np.linspace(0.5, 1, 100), np.linspace(0.2, 1, 100)]
+        >>> t, per = worst_source_threshold(f, np.zeros(200, int), ["a"] * 100 + ["b"] * 100, 0.01)
+        >>> round(t, 3), sorted(per)
+        (0.204, ['a', 'b'])
+    """
+    labels = np.asarray(labels)
+    names = np.asarray(sources)
+    per: dict[str, float] = {}
+    for name in sorted(set(names.tolist())):
+        clean = (names == name) & (labels == 0)
+        if clean.sum() >= 20:  # fewer clean rows cannot resolve a 1 % quantile
+            per[name] = float(threshold_at_fpr(focus[clean], labels[clean], fpr))
+    if not per:
+        clean = labels == 0
+        return float(threshold_at_fpr(focus[clean], labels[clean], fpr)), per
+    return min(per.values()), per

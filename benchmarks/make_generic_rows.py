@@ -2,7 +2,8 @@
 
 BIPIA rows share a long system-style instruction per task ("You are an email assistant ...
 Question: ..."); a probe calibrated on them alone learns that format and misjudges a request
-like "Summarize the email." with two sentences of data (docs/detection.md, "Short requests").
+like "Summarize the email." with two sentences of data (docs/detection-attention-only.md,
+"Short requests").
 This writes, per clean BIPIA context, one clean row whose data is cropped to 60-400 characters
 (``guardrail crop``, seed 5) and whose instruction is a one-line request drawn for its task
 (seed 7), plus three injected twins of it (``make_injected_twins``: the generic "ignore previous

@@ -56,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="logit_focus",
         help="what the logistic probe weighs per head (default: logit of its focus; "
         "attention_stats: five stats per head, higher AUROC on rows like the calibration rows "
-        "but it transferred worse to other prompt formats, see docs/detection.md)",
+        "but it transferred worse to other prompt formats, see docs/detection-attention-only.md)",
     )
     parser.add_argument("--threshold-rule", choices=["fpr", "midpoint"], default="fpr")
     parser.add_argument("--target-fpr", type=float, default=0.01)

@@ -285,8 +285,8 @@ def short_crops(
     group that carries its ``attack`` text gets that attack inserted into the crop at its own
     ``position``. Groups, tasks and categories are kept, so a split file still applies.
     A probe calibrated on long contexts alone can misjudge a sentence or two of data; these
-    rows let calibration see short data too (docs/detection.md, "Short requests and everyday
-    prompts", says what they did and did not fix for SmolLM2). Returns the rows and the
+    rows let calibration see short data too (docs/detection-attention-only.md, "Short requests
+    and everyday prompts", says what they did and did not fix for SmolLM2). Returns the rows and the
     number of injected rows skipped for lack of ``attack`` text. Row ids get ``~suffix``
     (crop twice with two suffixes for two length ranges).
 

@@ -11,6 +11,13 @@ keeps at most one ``RPC_POP_RESULTS`` call in flight, and that call carries the 
 request whose first output arrived while the previous one ran (under load, one pop serves a
 whole engine step's worth of requests; ``popper.calls`` and ``popper.popped`` count them).
 
+Its processes are supervised like ``HookedLLM``'s (``guardrail.engine.vllm_client``'s
+``EngineSupervisor``, on the event loop the engine was created on): an engine-core or worker
+process that dies fails every waiting stream and RPC with ``EngineDeadError`` at once, the rest
+of the engine's processes are ended and their shared memory unlinked; ``close()`` fails the
+streams still running with ``EngineClosedError``, runs vLLM's shutdown, and leaves no engine
+process or ``/dev/shm`` segment of the engine behind. ``engine_pids`` lists the processes.
+
 Example:
     >>> async def main():  # doctest: +SKIP
     ...     async with await AsyncHookedLLM.create(dtype="float32") as llm:
@@ -24,6 +31,7 @@ import asyncio
 import atexit
 import functools
 import gc
+import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -45,7 +53,12 @@ from guardrail.engine.types import (
     GuardedOutput,
     is_stop_value,
 )
-from guardrail.engine.vllm_client import SHUTDOWN_TIMEOUT_S, EngineHandle, is_engine_dead_error
+from guardrail.engine.vllm_client import (
+    SHUTDOWN_TIMEOUT_S,
+    EngineHandle,
+    EngineSupervisor,
+    is_engine_dead_error,
+)
 from guardrail.errors import (
     ConfigError,
     EngineClosedError,
@@ -134,8 +147,10 @@ class AsyncHookedLLM:
     Steering is not available on this engine yet (``steering_vectors`` is empty and
     ``load_steering_vector`` refuses), so retry policies are refused by the async guard.
 
-    Failures: a request whose engine died raises ``EngineDeadError``; a closed engine raises
-    ``EngineClosedError``. ``close()`` shuts vLLM's engine down.
+    Failures: a request whose engine died raises ``EngineDeadError`` (within about a second of
+    the death; its message names the process and how it died); a closed engine raises
+    ``EngineClosedError``, and so do streams still running when ``close()`` is called.
+    ``close()`` shuts vLLM's engine down and leaves none of its processes or shared memory.
     """
 
     def __init__(self, engine: Any, model: str, config: ModelProbeConfig) -> None:
@@ -149,6 +164,7 @@ class AsyncHookedLLM:
         self._tokenizer = engine.get_tokenizer()
         self._max_model_len = engine.model_config.max_model_len
         self.popper = ResultPopper(self._rpc)
+        self._supervisor: EngineSupervisor | None = None
 
     @classmethod
     async def create(
@@ -170,6 +186,7 @@ class AsyncHookedLLM:
         self = cls(AsyncLLMEngine.from_engine_args(args), str(model), config)
         self.loop = asyncio.get_running_loop()
         try:
+            self._supervisor = EngineSupervisor(self._engine, loop=self.loop)
             await self._install(probe_heads)
         except BaseException:
             self.close()
@@ -206,6 +223,32 @@ class AsyncHookedLLM:
         if self._engine is None:
             raise EngineClosedError("the engine is closed")
         return self._engine
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """The engine's processes (engine core and its workers), as recorded at start-up."""
+        return [] if self._supervisor is None else self._supervisor.pids
+
+    async def _death_described(self, timeout: float = 0.5) -> None:
+        """Give the supervisor a moment to name the process that died: vLLM's own monitor can
+        fail the streams just before it (both wake on the same exit)."""
+        supervisor = self._supervisor
+        deadline = time.monotonic() + timeout
+        while (
+            self._engine is not None
+            and supervisor is not None
+            and supervisor.watching
+            and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.01)
+
+    def _dead(self, exc: BaseException | None = None) -> EngineDeadError:
+        """The error for a request the engine cannot answer: closed, or dead (and why)."""
+        if self._engine is None:
+            return EngineClosedError("the engine was closed during the request")
+        reason = self._supervisor.reason if self._supervisor is not None else None
+        why = reason or f"vLLM reported its engine core dead ({exc or self._engine.dead_error})"
+        return EngineDeadError(f"the vLLM engine is dead: {why}; start a new one")
 
     # -- the GuardEngine facts the guard reads ---------------------------------------------------
     @property
@@ -287,9 +330,12 @@ class AsyncHookedLLM:
                     chunk = chunk.first(prompt, probe, int(out.num_cached_tokens or 0))
                     first = False
                 yield chunk
+        except GuardrailError:
+            raise
         except Exception as exc:
-            if is_engine_dead_error(exc) or (self._engine is not None and self._engine.errored):
-                raise EngineDeadError(f"the vLLM engine died: {exc}") from exc
+            if self._engine is None or is_engine_dead_error(exc) or self._engine.errored:
+                await self._death_described()
+                raise self._dead(exc) from exc
             raise
         finally:
             if not popped and self._engine is not None:
@@ -306,7 +352,7 @@ class AsyncHookedLLM:
         """Check one request's arguments and build its prompt, params (with the probe spec)
         and probe key. Raises ``RequestError`` naming what was wrong."""
         if self.engine.errored:
-            raise EngineDeadError(f"the vLLM engine is dead: {self.engine.dead_error}")
+            raise self._dead()
         from vllm import SamplingParams
 
         params = self.sampling(max_tokens=64) if sampling_params is None else sampling_params
@@ -405,12 +451,23 @@ class AsyncHookedLLM:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Shut vLLM's engine down (idempotent)."""
+        """Shut vLLM's engine down and leave none of its processes or shared memory
+        (idempotent). Streams still running raise ``EngineClosedError``. Blocks while vLLM's
+        processes exit (seconds: their clean exit, see ``guardrail.engine.vllm_client``)."""
         engine, self._engine = self._engine, None
-        if engine is not None:
+        if engine is None:
+            return
+        supervisor = self._supervisor
+        try:
+            if supervisor is not None:
+                supervisor.wake_waiters()  # running streams and pops: nothing will feed them
+                supervisor.closing()
             engine.shutdown(timeout=SHUTDOWN_TIMEOUT_S)  # let its processes exit on their own
-            del engine
-            _collect_before_exit()
+        finally:
+            if supervisor is not None:
+                supervisor.stop()
+        del engine
+        _collect_before_exit()
 
     async def __aenter__(self) -> AsyncHookedLLM:
         return self

@@ -1,6 +1,6 @@
-"""The engine handle of ``HookedLLM``: one call at a time, dead engines reported within a
-second, nothing left behind by ``close``. The one caller-side module that reads vLLM's
-engine-client internals.
+"""The engine handle of ``HookedLLM`` and the process supervisor of both engines: one call at a
+time, dead engines reported within a second, nothing left behind by ``close``. The one
+caller-side module that reads vLLM's engine-client internals.
 
 Why it exists. vLLM 0.32's synchronous multi-process client (``SyncMPClient``, behind
 ``vllm.LLM``) never wakes a waiting caller when the engine-core process dies: its monitor
@@ -24,16 +24,28 @@ What it does:
 - ``EngineSupervisor`` records the engine's processes when the engine has started (the
   engine-core process and its descendants, e.g. CPU's ``VLLM::Worker``) and the shared-memory
   segments they map. One daemon thread blocks in ``multiprocessing.connection.wait`` on their
-  exit (process sentinels and Linux pidfds, plus a pipe that ``stop`` writes to): no polling, no
+  exit (process sentinels and Linux pidfds, plus a pipe that ``closing`` writes to): no polling, no
   cost while the engine lives. When one of them dies, the thread marks the client dead, fails
   every pending utility call, queues ``EngineDeadError`` for the output loop, and shuts the
-  client down, so the running call raises at once and later calls raise without waiting.
+  client down, so the running call raises at once and later calls raise without waiting; then
+  it ends what is left of the engine's processes and unlinks their shared memory (``_reap``),
+  so a dead engine holds no memory even before it is closed.
+- The same supervisor watches vLLM's ``AsyncLLM`` (``AsyncHookedLLM``), whose engine client
+  (``AsyncMPClient``) has the same ``resources`` and process manager. Its waiters are asyncio
+  futures and request queues, which only the event loop may touch: the supervisor wakes them
+  on that loop (``call_soon_threadsafe``), failing pending utility calls (``collective_rpc``,
+  which vLLM never wakes when its engine core dies) and putting the error in every request's
+  output queue (``output_processor.propagate_error``). ``wake_waiters`` does the same when
+  ``AsyncHookedLLM.close`` shuts the engine down under running streams, which would otherwise
+  wait forever (vLLM's shutdown cancels the task that feeds them).
 - ``EngineHandle.close`` runs vLLM's own shutdown (``SyncMPClient.shutdown``: SIGTERM to the
   engine core, which stops its workers, tears down and exits) with a budget of
   ``SHUTDOWN_TIMEOUT_S`` instead of vLLM's 5 s (see "Closing" below).
-- ``EngineSupervisor.stop`` (from ``HookedLLM.close``, after vLLM's own shutdown) waits for the
-  recorded processes to exit, kills what is left, reaps them and unlinks the shared-memory
-  segments they left behind, so the next engine starts in a clean process.
+- ``EngineSupervisor.closing`` (before vLLM's shutdown: the exits that follow are no death) and
+  ``EngineSupervisor.stop`` (from ``HookedLLM.close`` and ``AsyncHookedLLM.close``, after vLLM's
+  own shutdown), which waits for the recorded processes to exit, kills what is left, reaps them
+  and unlinks the shared-memory segments they left behind, so the next engine starts in a clean
+  process.
 - ``EngineHandle.start_arguments``: the engine arguments ``HookedLLM`` starts vLLM with,
   plus ``guardrail.engine.defaults.cpu_defaults`` when vLLM runs on the CPU.
 - ``abort_unfinished`` removes requests a failed or interrupted ``generate`` left in the engine,
@@ -62,6 +74,7 @@ left and drops registrations they left for segments that are gone (``_unlink_sha
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import threading
@@ -137,17 +150,30 @@ def _describe_exit(name: str, pid: int, exitcode: int | None) -> str:
     return f"{name} (pid {pid}) exited"
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class EngineSupervisor:
-    """Watches one ``vllm.LLM``'s engine processes (see the module docstring).
+    """Watches one engine's processes (see the module docstring): a ``vllm.LLM``, or vLLM's
+    ``AsyncLLM`` with ``loop``, the event loop its output task runs on.
 
     ``dead`` turns True within milliseconds of an engine process dying; ``reason`` says which
     one and how. ``stop`` ends the watch and leaves no process or shared memory behind.
     """
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
         import psutil
 
-        self._client: Any = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        engine = getattr(llm, "llm_engine", llm)  # vllm.LLM's LLMEngine; AsyncLLM is its own
+        self._client: Any = getattr(engine, "engine_core", None)
+        self._loop = loop
+        # AsyncLLM: the per-request output queues its streams wait on (woken on ``loop``)
+        self._requests: Any = getattr(engine, "output_processor", None) if loop else None
+        self._reap_lock = threading.Lock()
         manager = getattr(getattr(self._client, "resources", None), "engine_manager", None)
         self._children: list[Any] = list(getattr(manager, "processes", None) or [])
         self.processes: list[psutil.Process] = []
@@ -165,6 +191,7 @@ class EngineSupervisor:
         )
         self.reason: str | None = None
         self._stopping = threading.Event()
+        self._stopped = False
         self._wake: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         if self._children:
@@ -177,6 +204,17 @@ class EngineSupervisor:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
+
+    @property
+    def watching(self) -> bool:
+        """True while the watch runs: no death seen yet, or one it is still describing (vLLM's
+        own monitor may report the death a moment before ``reason`` is set)."""
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self.reason is None
+            and not self._stopping.is_set()
+        )
 
     @property
     def dead(self) -> bool:
@@ -208,6 +246,8 @@ class EngineSupervisor:
         except Exception:  # the watch must end in _mark_dead whatever happens
             reason = "an engine process exited"
         self._mark_dead(reason)
+        with contextlib.suppress(Exception):  # a dead engine leaves nothing, closed or not yet
+            self._reap(PROCESS_EXIT_TIMEOUT_S)
 
     def _which(self, ready: Sequence[Any], pidfds: dict[int, Any]) -> str:
         for proc in self._children:
@@ -221,23 +261,41 @@ class EngineSupervisor:
 
     def _mark_dead(self, reason: str) -> None:
         """Wake every waiter with vLLM's ``EngineDeadError``, then shut the client down."""
+        self.reason = reason
+        # Set the flag first: a call that checks ``ensure_alive`` after this raises, and a call
+        # that checked before registered its utility future before, so the waking sees it.
+        self._client.resources.engine_dead = True
+        self.wake_waiters()
+        with contextlib.suppress(Exception):  # idempotent in vLLM; kills what is left
+            shutdown_engine(self._client)
+
+    def wake_waiters(self) -> None:
+        """Fail every call waiting on the engine with vLLM's ``EngineDeadError``: pending
+        utility calls, and the output loop (``vllm.LLM``) or every request's output queue
+        (``AsyncLLM``; done on its event loop, now when this runs on it, else as soon as the
+        loop runs; a closed loop has nobody waiting)."""
+        if self._loop is None or _running_loop() is self._loop:
+            self._fail_waiters()
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            self._loop.call_soon_threadsafe(self._fail_waiters)
+
+    def _fail_waiters(self) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
-        self.reason = reason
         client = self._client
-        # Set the flag first: a call that checks ``ensure_alive`` after this raises, and a call
-        # that checked before registered its utility future before, so the loop below sees it.
-        client.resources.engine_dead = True
         pending = getattr(client, "utility_results", {})
         for call_id, future in list(pending.items()):
             pending.pop(call_id, None)
             with contextlib.suppress(Exception):  # already resolved: nothing to wake
                 future.set_exception(VllmEngineDeadError())
+        if self._requests is not None:  # AsyncLLM: each stream's queue (its feeder may be gone)
+            with contextlib.suppress(Exception):
+                self._requests.propagate_error(VllmEngineDeadError())
+            return
         outputs = getattr(client, "outputs_queue", None)
         if outputs is not None:
             outputs.put_nowait(VllmEngineDeadError())
-        with contextlib.suppress(Exception):  # idempotent in vLLM; kills what is left
-            shutdown_engine(client)
 
     def abandon(self, reason: str) -> None:
         """Fail a call that is still waiting on the engine (closing under it at exit)."""
@@ -245,17 +303,43 @@ class EngineSupervisor:
             self._mark_dead(reason)
 
     # -- the end ---------------------------------------------------------------------------------
-    def stop(self, timeout: float = PROCESS_EXIT_TIMEOUT_S) -> None:
-        """After vLLM's shutdown: end the watch, make sure every engine process is gone (killed
-        after ``timeout`` s) and reaped, and unlink the shared memory they left. Idempotent."""
-        import psutil
-
+    def closing(self) -> None:
+        """Before vLLM's shutdown: the processes' exits that follow are no death, so the watch
+        ends here (it neither marks the engine dead nor ends processes vLLM is stopping)."""
         if self._stopping.is_set():
             return
         self._stopping.set()
         if self._wake is not None:
             with contextlib.suppress(OSError):
                 os.write(self._wake[1], b"x")
+
+    def stop(self, timeout: float = PROCESS_EXIT_TIMEOUT_S) -> None:
+        """After vLLM's shutdown: end the watch, make sure every engine process is gone (killed
+        after ``timeout`` s) and reaped, and unlink the shared memory they left. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.closing()
+        self._reap(timeout)
+        if self._thread is not None:
+            self._thread.join(1.0)
+        if self._wake is not None:
+            for fd in self._wake:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake = None
+
+    def _reap(self, timeout: float) -> None:
+        """Wait for every engine process to exit (kill it after ``timeout`` s), reap it, and
+        unlink the shared memory they left. From ``stop``, or from the watch once the engine
+        died (one at a time; a second run finds nothing left to do)."""
+        with self._reap_lock:
+            self._end_processes(timeout)
+            self._unlink_shared_memory()
+
+    def _end_processes(self, timeout: float) -> None:
+        import psutil
+
         deadline = time.monotonic() + timeout
         for proc in self._children:  # our children: join reaps them (no zombie left)
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -278,14 +362,6 @@ class EngineSupervisor:
         deadline = time.monotonic() + 5.0
         while any(self._running(p) for p in others) and time.monotonic() < deadline:
             time.sleep(0.05)
-        self._unlink_shared_memory()
-        if self._thread is not None:
-            self._thread.join(1.0)
-        if self._wake is not None:
-            for fd in self._wake:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._wake = None
 
     @staticmethod
     def _running(proc: Any) -> bool:
@@ -410,6 +486,8 @@ class EngineHandle:
             supervisor = self.supervisor
             if supervisor is not None and not locked:
                 supervisor.abandon("the engine was closed while a call was running")
+            if supervisor is not None:
+                supervisor.closing()
             try:
                 shutdown_engine(getattr(getattr(llm, "llm_engine", None), "engine_core", None))
             finally:

@@ -1,6 +1,11 @@
 """``AsyncHookedLLM`` and ``AsyncGuardedLLM`` on vLLM's real ``AsyncLLM`` (tiny Llama, one
 multi-process engine for this module).
 
+Faults start their own engine: the engine core SIGKILLed mid-stream (the streams raise within
+seconds, the rest of the engine is ended, ``close()`` leaves no process or ``/dev/shm`` entry),
+and ``close()`` under running streams (a subprocess, so interpreter exit is checked too: the
+streams raise ``EngineClosedError``, nothing is left, nothing warns).
+
 References are independent of the async path: the offline engine's scores (themselves checked
 against Hugging Face eager attention in test_engine.py) and Hugging Face directly; thresholds are
 placed between scores the engine really produced.
@@ -9,9 +14,14 @@ placed between scores the engine really produced.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -293,20 +303,94 @@ def test_async_chat_model_streams_tokens_as_generated_with_the_verdict_first(
     assert received == []
 
 
-# -- a dead engine -------------------------------------------------------------------------------
+# -- a dead engine, and what is left behind ------------------------------------------------------
+SHM = Path("/dev/shm")
 
 
-def test_engine_core_killed_mid_stream_raises_engine_dead_within_seconds(
+def _live(pids: list[int]) -> list[int]:
+    """The pids that still run (a zombie waiting to be reaped does not count)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while _live(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _live(pids)
+
+
+def _engine_processes(before: set[int]) -> dict[int, str]:
+    """vLLM processes under this one that were not there before the engine started."""
+    found = {}
+    for p in psutil.Process().children(recursive=True):
+        if p.pid not in before:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found[p.pid] = p.name()
+    return {pid: name for pid, name in found.items() if "VLLM" in name}
+
+
+def _shm_mapped(pids: Any) -> set[str]:
+    """/dev/shm files the processes map (every process's maps when ``pids`` is None)."""
+    if pids is None:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
+                names.add(fields[5].removeprefix(f"{SHM}/").removesuffix(" (deleted)"))
+    return names
+
+
+def _left_behind(before: set[str], pids: list[int]) -> set[str]:
+    """/dev/shm entries created since ``before`` that are still there and in nobody's use: what
+    the engine (``pids``) left. Other programs on this shared machine also create entries, so
+    an entry some live process maps, or a loky semaphore another process created (its name
+    carries its creator's pid), is not counted; nor is one that goes within a second (an entry
+    another program is creating or removing right now)."""
+
+    def unused() -> set[str]:
+        new = set(os.listdir(SHM)) - before
+        in_use = _shm_mapped(None) if new else set()
+        return {
+            name
+            for name in new - in_use
+            if not (m := re.match(r"sem\.loky-(\d+)-", name)) or int(m.group(1)) in pids
+        }
+
+    first = unused()
+    if not first:
+        return first
+    time.sleep(1.0)
+    return first & unused()
+
+
+def test_engine_core_killed_mid_stream_raises_engine_dead_and_leaves_nothing(
     tiny_llama_dir: Path, run: Any
 ) -> None:
+    """The streams raise within seconds of the kill, later calls at once; the rest of the
+    engine (its orphaned worker) is ended before ``close()``, and ``close()`` leaves no process
+    of the engine and no /dev/shm entry created since it started."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+    shm_before = set(os.listdir(SHM))
     engine = run(start_async_engine(tiny_llama_dir))
+    procs = _engine_processes(before)
+    mapped = _shm_mapped(list(procs))
     try:
-        core = next(
-            p.pid
-            for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and "EngineCore" in p.name()
-        )
+        assert sorted(engine.engine_pids) == sorted(procs)
+        assert mapped  # vLLM's message queues
+        core = next(pid for pid, name in procs.items() if "EngineCore" in name)
         registry = CollectorRegistry()
         guard = AsyncGuardedLLM(engine, [{"threshold": 0.0}], metrics=GuardrailMetrics(registry))
         long = sampling(max_tokens=1500, ignore_eos=True)  # seconds of decoding
@@ -326,7 +410,7 @@ def test_engine_core_killed_mid_stream_raises_engine_dead_within_seconds(
             finally:
                 await killer
 
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError, match=f"EngineCore \\(pid {core}\\).*SIGKILL"):
             run(stream_while_killed())
         assert killed_at and time.monotonic() - killed_at[0] < 10.0
         assert received and received[0].verdict is not None  # it was streaming when killed
@@ -344,5 +428,112 @@ def test_engine_core_killed_mid_stream_raises_engine_dead_within_seconds(
         with pytest.raises(EngineDeadError):  # later calls fail at once
             run(collect(engine.stream(REQUESTS[1], sampling())))
         assert time.monotonic() - started < 1.0
+        # Dead, not closed yet: the orphaned worker is ended all the same.
+        assert _wait_gone(list(procs), 30.0) == [], f"engine processes left: {procs}"
     finally:
+        started = time.monotonic()
         engine.close()
+        print(f"close() of the dead engine took {time.monotonic() - started:.2f} s")
+    engine.close()  # idempotent
+    assert _live(list(procs)) == [], f"engine processes left: {procs}"
+    assert {n for n in mapped if (SHM / n).exists()} == set()
+    assert _left_behind(shm_before, list(procs)) == set()
+
+
+_CLOSE_SCRIPT = """
+import asyncio, json, os, sys, time
+sys.path.insert(0, {root!r})
+import psutil
+from vllm import SamplingParams
+from tests.helpers import start_async_engine
+
+STREAMS = 4
+
+async def stream(engine, i, started):
+    chunks = 0
+    try:
+        long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+        async for _ in engine.stream(("Summarize.", f"Note {{i}}: lunch at noon?"), long):
+            chunks += 1
+            started.set()
+    except Exception as exc:
+        return [type(exc).__name__, chunks]
+    return ["finished", chunks]
+
+async def main():
+    shm_before = sorted(os.listdir("/dev/shm"))
+    engine = await start_async_engine({model!r})
+    started = [asyncio.Event() for _ in range(STREAMS)]
+    tasks = [asyncio.create_task(stream(engine, i, started[i])) for i in range(STREAMS)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
+    pids = engine.engine_pids
+    shm = sorted({{
+        line.split(maxsplit=5)[5].removeprefix("/dev/shm/").removesuffix(" (deleted)")
+        for pid in pids
+        for line in open(f"/proc/{{pid}}/maps").read().splitlines()
+        if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith("/dev/shm/")
+    }})
+    print("@@close", flush=True)
+    print("@@close", file=sys.stderr, flush=True)
+    began = time.monotonic()
+    engine.close()  # in the event loop, as a server's shutdown does
+    close_s = time.monotonic() - began
+    streams = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    left = [p.pid for p in psutil.Process().children(recursive=True)
+            if p.pid in pids and p.status() != psutil.STATUS_ZOMBIE]
+    report = {{"pids": pids, "shm": shm, "left": left, "streams": streams,
+               "close_s": close_s, "shm_before": shm_before}}
+    print(json.dumps(report), flush=True)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+# A line that reports trouble (as in test_faults.py): vLLM's log levels, Python's warnings and
+# resource tracker ("leaked shared_memory objects"), tracebacks.
+_TROUBLE = re.compile(
+    r"\b(WARNING|ERROR|CRITICAL)\b|Warning:|resource_tracker|leaked|force kill|Traceback"
+)
+
+
+def test_close_under_running_streams_leaves_nothing_and_prints_no_warning(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """``close()`` while 4 streams decode (in a subprocess, to check interpreter exit too):
+    the streams raise ``EngineClosedError``, vLLM's shutdown runs to its end, no engine process
+    or /dev/shm entry of the engine is left, and nothing from ``close()`` to the end of the
+    process warns (vLLM's log, Python's warnings and resource tracker, tracebacks)."""
+    root = str(Path(__file__).resolve().parents[2])
+    script = tmp_path / "close_async_engine.py"
+    script.write_text(_CLOSE_SCRIPT.format(root=root, model=str(tiny_llama_dir)))
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "VLLM_HOST_IP": "127.0.0.1"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    # vLLM's grace for the worker's exit (test_faults.py, the same test for HookedLLM): on a
+    # loaded machine its clean exit can take longer than the default 5 s, which warns.
+    env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = "60"
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    print(f"close() under {len(report['streams'])} streams took {report['close_s']:.2f} s")
+    assert len(report["pids"]) == 2 and report["shm"]
+    assert [outcome for outcome, _ in report["streams"]] == ["EngineClosedError"] * 4
+    assert all(chunks > 0 for _, chunks in report["streams"])  # they were streaming
+    assert report["left"] == []  # gone when close() returned
+    after_close = [
+        line
+        for stream in (done.stdout, done.stderr)
+        for line in stream.split("@@close", 1)[1].splitlines()
+        if _TROUBLE.search(line)
+    ]
+    assert after_close == [], "\n".join(after_close)
+    assert "[shutdown] MPClient: complete" in done.stdout  # vLLM's own shutdown ran to its end
+    assert _live(report["pids"]) == []
+    assert [name for name in report["shm"] if (SHM / name).exists()] == []
+    assert _left_behind(set(report["shm_before"]), report["pids"]) == set()

@@ -12,10 +12,10 @@ Arms, one server at a time, alternating over ``--rounds`` (default 3; round 1 gu
 round 2 plain first, ...) so that the noise of a shared machine hits both alike; figures are
 medians over the rounds, and each round is kept:
 
-- ``guarded``: ``python -m guardrail.integrations.serving --model M --port P
-  --served-model-name NAME --engine-arg k=v ...``; a request is sent the calibrated way:
+- ``guarded``: ``python -m guardrail.integrations.serving M --port P
+  --served-model-name NAME`` and the engine flags below; a request is sent the calibrated way:
   ``/v1/completions`` with ``prompt`` = the instruction and the extra field ``data`` = the email.
-- ``plain``: ``vllm serve M --port P --served-model-name NAME`` with the same engine arguments
+- ``plain``: ``vllm serve M --port P --served-model-name NAME`` with the same engine flags
   (``--dtype float32 --enforce-eager --max-model-len 2048 --disable-log-stats``). It has no
   ``data`` field, so it gets the request as the token ids the guarded server prefills: the
   request rendered by the guardrail's renderer (``prepare_prompt`` with the model's tokenizer),
@@ -224,21 +224,25 @@ def free_port() -> int:
     raise RuntimeError("no free loopback port in 20000-32000")
 
 
+def engine_flags() -> list[str]:
+    """``ENGINE_ARGS`` as vLLM's command-line flags, which both servers take alike."""
+    flags: list[str] = []
+    for key, value in ENGINE_ARGS.items():
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
 def server_command(arm: str, model: str, port: int, probe_config: str | None) -> list[str]:
     python = sys.executable
     if arm == "guarded":
-        command = [python, "-m", "guardrail.integrations.serving", "--model", model]
+        command = [python, "-m", "guardrail.integrations.serving", model]
         command += ["--port", str(port), "--served-model-name", SERVED_NAME]
         if probe_config:
             command += ["--probe-config", probe_config]
-        for key, value in ENGINE_ARGS.items():
-            command += ["--engine-arg", f"{key}={json.dumps(value)}"]
-        return command
+        return command + engine_flags()
     command = [python, "-c", VLLM_SHIM, "serve", model, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--served-model-name", SERVED_NAME]
-    for key, value in ENGINE_ARGS.items():
-        flag = "--" + key.replace("_", "-")
-        command += [flag] if value is True else [flag, str(value)]
+    command += ["--port", str(port), "--served-model-name", SERVED_NAME, *engine_flags()]
     return [*command, "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
 
 
@@ -1086,7 +1090,8 @@ def reading(result: dict[str, Any]) -> list[str]:
         for name in r["guarded"]["passes"]
     )
     out.append(
-        "- The guarded server's streams carry no token ids or usage. A stream whose text equals "
+        "- The guarded server's streams carry no token ids, and this benchmark does not ask them "
+        "for usage (`stream_options`). A stream whose text equals "
         "the plain server's for the same request is counted with the plain server's token "
         f"count ({t['compared_with_plain']} streams; encoding the text again would have given "
         f"the same count for {t['same_count_by_encoding']}); the other {estimated} by "

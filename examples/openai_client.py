@@ -5,7 +5,8 @@
     python examples/openai_client.py --base-url http://HOST:PORT/v1 --model NAME
 
 It sends the quickstart's emails as (instruction, data) pairs to /v1/completions (the email in the
-extra `data` field is untrusted) and one chat question, streamed, to /v1/chat/completions.
+extra `data` field is untrusted) and one chat question, streamed, to /v1/chat/completions, with
+the token counts in a last chunk (`stream_options={"include_usage": True}`).
 """
 
 from __future__ import annotations
@@ -49,13 +50,18 @@ def main() -> None:
         model=model,
         messages=[{"role": "user", "content": "Name three colors."}],
         stream=True,
+        stream_options={"include_usage": True},  # a last chunk with the token counts
         temperature=0,
         max_tokens=24,
     )
     first = next(stream)  # the verdict comes with the first chunk, before any more text
-    text = [first.choices[0].delta.content or ""]
-    text += [chunk.choices[0].delta.content or "" for chunk in stream]
-    print(f"stream {first.model_extra['guardrail']['action']} {''.join(text)!r}")
+    text, usage = [first.choices[0].delta.content or ""], None
+    for chunk in stream:
+        text += [choice.delta.content or "" for choice in chunk.choices]
+        usage = chunk.usage or usage  # only the last chunk has usage, and no choices
+    action = first.model_extra["guardrail"]["action"]
+    tokens = usage.completion_tokens if usage else "?"
+    print(f"stream {action} {''.join(text)!r} ({tokens} tokens)")
 
 
 if __name__ == "__main__":

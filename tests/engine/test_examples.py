@@ -391,5 +391,5 @@ def test_openai_client_against_guardrail_serve(tiny_args: TinyArgs, tmp_path: Pa
     assert len(decisions) == 2, out
     for action, focus in decisions:
         assert action == ("block" if focus <= threshold else "allow"), out
-    assert re.search(r"^stream allow '.+'$", out, re.MULTILINE), out
+    assert re.search(r"^stream allow '.+' \(\d+ tokens\)$", out, re.MULTILINE), out
     assert "Traceback" not in log.read_text(), log.read_text()[-6000:]

@@ -1,13 +1,20 @@
 """The guarded OpenAI-compatible server on loopback, driven by the real ``openai`` client and
-LangChain's ``ChatOpenAI`` (tiny Llama on a multi-process ``AsyncLLM``).
+LangChain's ``ChatOpenAI`` (tiny Llama on a multi-process ``AsyncLLM``), and ``guardrail-serve``
+itself as a process, started with vLLM's own flags and stopped with Ctrl-C.
 
 References: the offline engine's greedy text and scores for the same requests; the threshold is
-placed between two scores the engine really produced; metrics are read by a real HTTP scrape.
+placed between two scores the engine really produced; metrics are read by a real HTTP scrape;
+an abandoned request is seen leaving vLLM's own request table.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,14 +24,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from guardrail.integrations.serving import build_app
+from fastapi import FastAPI
+from guardrail.integrations.serving import build_app, parse_command
 from prometheus_client import CollectorRegistry
 
 from guardrail.guard.async_guarded import AsyncGuardedLLM
 from guardrail.metrics.recorder import GuardrailMetrics
-from tests.helpers import delta, sample, scrape, start_async_engine
+from tests.helpers import delta, sample, scrape, start_async_engine, tiny_config
 
 MAX_TOKENS = 8
+MAX_MODEL_LEN = 4096  # the tiny Llama's whole context: room for a long generation
 CHATS: list[list[dict[str, Any]]] = [
     [
         {"role": "system", "content": "Summarize the email."},
@@ -58,14 +67,17 @@ def low_and_threshold(offline: list[Any]) -> tuple[int, float]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path, low_and_threshold: tuple[int, float]) -> Iterator[str]:
+def served(
+    tiny_llama_dir: Path, low_and_threshold: tuple[int, float]
+) -> Iterator[tuple[str, FastAPI]]:
+    """The server's base URL, and its app (``app.state.guard`` is the running guard)."""
     import uvicorn
 
     _, threshold = low_and_threshold
     registry = CollectorRegistry()
 
     async def start() -> AsyncGuardedLLM:
-        engine = await start_async_engine(tiny_llama_dir)
+        engine = await start_async_engine(tiny_llama_dir, max_model_len=MAX_MODEL_LEN)
         return AsyncGuardedLLM(
             engine,
             [{"threshold": threshold}],
@@ -83,10 +95,15 @@ def server(tiny_llama_dir: Path, low_and_threshold: tuple[int, float]) -> Iterat
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.1)
     port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{port}", app
     server.should_exit = True
     thread.join(timeout=60)
     assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def server(served: tuple[str, FastAPI]) -> str:
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +277,9 @@ def test_metrics_health_and_models_over_http(
     assert sample(moved, "guardrail_requests_total", model_name="tiny", action="block") == 1
     assert sample(moved, "guardrail_requests_total", model_name="tiny", action="allow") == 1
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
-    assert [m.id for m in client.models.list()] == ["tiny"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
 
 
 def test_langchain_chat_openai_runs_against_the_server(
@@ -293,3 +312,235 @@ def test_langchain_chat_openai_runs_against_the_server(
     assert "".join(str(c.content) for c in model.stream(messages(allowed))) == offline[allowed].text
     with pytest.raises(openai.PermissionDeniedError):
         model.invoke(messages(low))
+
+
+# -- usage -------------------------------------------------------------------------------------
+
+
+def test_usage_whole_and_as_the_last_event_of_a_stream_that_asks_for_it(
+    client: openai.OpenAI,
+    server: str,
+    offline: list[Any],
+    low_and_threshold: tuple[int, float],
+) -> None:
+    low, _ = low_and_threshold
+    allowed = next(i for i in range(len(CHATS)) if i != low)
+    generated = len(offline[allowed].token_ids)
+    whole = chat(client, allowed)
+    prompt_tokens = whole.model_extra["guardrail"]["num_prompt_tokens"]
+    assert prompt_tokens == len(offline[allowed].prompt.token_ids)
+    assert whole.usage.prompt_tokens == prompt_tokens
+    assert whole.usage.completion_tokens == generated
+    assert whole.usage.total_tokens == prompt_tokens + generated
+
+    chunks = list(chat(client, allowed, stream=True, stream_options={"include_usage": True}))
+    *answer, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (prompt_tokens, generated)
+    assert last.usage.total_tokens == prompt_tokens + generated
+    assert all(c.usage is None and len(c.choices) == 1 for c in answer)
+    assert "".join(c.choices[0].delta.content or "" for c in answer) == (
+        whole.choices[0].message.content
+    )
+    assert all(c.usage is None for c in chat(client, allowed, stream=True))  # not asked: none
+
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": "Say hello.", "temperature": 0}
+    kwargs |= {"max_tokens": 4, "extra_body": {"ignore_eos": True}}  # all trusted: allowed
+    text = client.completions.create(**kwargs)  # ignore_eos: exactly max_tokens
+    events = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert events[-1].choices == [] and events[-1].usage == text.usage
+    assert text.usage.completion_tokens == 4
+    assert "".join(e.choices[0].text for e in events[:-1]) == text.choices[0].text
+
+    body = {"model": "tiny", "messages": CHATS[allowed], "stream_options": {"include_usage": True}}
+    refused = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120)
+    assert refused.status_code == 400 and "stream" in refused.json()["error"]["message"]
+
+
+# -- a client that goes away --------------------------------------------------------------------
+
+
+def test_an_abandoned_non_streamed_request_is_aborted_in_the_engine(
+    served: tuple[str, FastAPI],
+) -> None:
+    """A non-streamed request of ~4,000 tokens (``ignore_eos``) whose client gives up after a
+    second leaves vLLM's request table (``AsyncLLM.output_processor``: the requests vLLM is
+    running) right away, long before its generation could have ended."""
+    url, app = served
+    vllm_engine = app.state.guard.engine.engine  # vLLM's AsyncLLM
+
+    def running() -> int:
+        return int(vllm_engine.output_processor.get_num_unfinished_requests())
+
+    body: dict[str, Any] = {"model": "tiny", "prompt": "Count:", "temperature": 0}
+    body["ignore_eos"] = True  # vLLM's sampling extra: the request runs to max_tokens
+    # the decode rate on this machine now: a long and a short request, the difference
+    timed = []
+    for n in (16, 400):
+        started = time.monotonic()
+        done = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": n}, timeout=300)
+        timed.append(time.monotonic() - started)
+        assert done.json()["usage"]["completion_tokens"] == n
+    per_token = (timed[1] - timed[0]) / (400 - 16)
+    max_tokens = MAX_MODEL_LEN - 100
+    assert running() == 0
+
+    seen_running = threading.Event()
+    gave_up: list[float] = []
+
+    def abandon() -> None:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1.0) as c:
+            sent = time.monotonic()
+            with pytest.raises(openai.APITimeoutError):
+                c.completions.create(
+                    model="tiny",
+                    prompt="Count:",
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+        gave_up.extend([sent, time.monotonic()])  # the client closed its connection
+
+    client = threading.Thread(target=abandon)
+    client.start()
+    while client.is_alive():
+        if running() == 1:
+            seen_running.set()
+        time.sleep(0.01)
+    client.join()
+    assert seen_running.is_set() and gave_up, "the request never ran in the engine"
+    sent, closed = gave_up
+    while running() and time.monotonic() - closed < 30:
+        time.sleep(0.01)
+    left = time.monotonic()
+    assert running() == 0, "the abandoned request is still running in the engine"
+    natural = per_token * max_tokens  # what it would have taken to finish (lower bound)
+    print(
+        f"abandoned: aborted {left - closed:.2f} s after the client left, {left - sent:.1f} s "
+        f"after it was sent; generating it all: ~{natural:.0f} s"
+    )
+    assert left - closed < 3.0, f"aborted {left - closed:.1f} s after the client left"
+    assert left - sent < natural / 2, (left - sent, natural)
+    # the server still answers
+    done = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}, timeout=120)
+    assert done.status_code == 200
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+def test_the_command_forwards_exactly_the_vllm_flags_given() -> None:
+    """vLLM's own parser; only given flags reach the engine, so CPU defaults fill the rest."""
+    args, engine = parse_command(["/models/m", "--port", "9001", "--served-model-name", "m"])
+    assert (args.model, args.port, args.served_model_name) == ("/models/m", 9001, "m")
+    assert engine == {"dtype": "float32"}  # our one default: no enforce_eager, no KV cache size
+
+    args, engine = parse_command(
+        [
+            "--model=/models/m",
+            "--max-model-len",
+            "4096",
+            "--dtype",
+            "bfloat16",
+            "--no-enforce-eager",  # given, although it is vLLM's default value
+            "-tp",
+            "2",
+            "--kv_cache_memory_bytes",
+            "2G",
+            "--compilation-config.mode",
+            "0",
+            "--threshold",
+            "0.3",
+        ]
+    )
+    assert args.model == "/models/m" and args.threshold == 0.3
+    compilation = engine.pop("compilation_config")
+    assert int(compilation.mode) == 0
+    assert engine == {
+        "dtype": "bfloat16",
+        "enforce_eager": False,
+        "kv_cache_memory_bytes": 2 * 1024**3,
+        "max_model_len": 4096,
+        "tensor_parallel_size": 2,
+    }
+    with pytest.raises(SystemExit):
+        parse_command(["--max-model-len", "many"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def command_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """``guardrail-serve MODEL --max-model-len 256 --dtype float32 ...``: vLLM's flags, as
+    ``vllm serve`` takes them; its own session, so a Ctrl-C reaches only its process group."""
+    folder = tmp_path_factory.mktemp("serve")
+    config, log = folder / "tiny.json", folder / "serve.log"
+    config.write_text(tiny_config(threshold=0.0).model_dump_json())
+    port = _free_port()
+    command = [sys.executable, "-m", "guardrail.integrations.serving", str(tiny_llama_dir)]
+    command += ["--probe-config", str(config), "--served-model-name", "tiny", "--port", str(port)]
+    command += ["--max-model-len", "256", "--dtype", "float32", "--max-num-seqs", "4"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        assert proc.poll() is None, f"guardrail-serve exited:\n{log.read_text()[-6000:]}"
+        assert time.monotonic() < deadline, "guardrail-serve did not start"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    yield url, proc, log
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.slow  # its own engine start, behind guardrail-serve
+def test_the_command_takes_vllm_flags(command_server: Any) -> None:
+    url, _, _ = command_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert client.models.list().data[0].model_extra["max_model_len"] == 256
+    fits = client.completions.create(model="tiny", prompt="word " * 60, max_tokens=2)
+    assert fits.usage.prompt_tokens < 256
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model="tiny", prompt="word " * 300, max_tokens=2)
+    assert "256" in too_long.value.body["message"]  # the engine's context, from --max-model-len
+
+
+@pytest.mark.slow  # its own engine start, behind guardrail-serve
+def test_ctrl_c_stops_the_command_cleanly(command_server: Any) -> None:
+    """Ctrl-C in a terminal: SIGINT to the whole process group (server and engine processes);
+    the server exits 0 with every engine process gone, no traceback, no leaked shared memory."""
+    _, proc, log = command_server
+    group = proc.pid
+    started = time.monotonic()
+    os.killpg(group, signal.SIGINT)
+    proc.wait(timeout=120)
+    exited = time.monotonic() - started
+    while time.monotonic() - started < 120:  # the resource tracker and any engine process
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("processes of the server's group still run 120 s after Ctrl-C")
+    gone = time.monotonic() - started
+    output = log.read_text()
+    print(f"Ctrl-C: server exited after {exited:.1f} s, its whole group after {gone:.1f} s")
+    assert proc.returncode == 0, output[-6000:]
+    assert "Traceback" not in output and "leaked" not in output, output[-6000:]
+    assert gone < 60, f"{gone:.1f} s"

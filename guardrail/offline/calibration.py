@@ -56,6 +56,7 @@ __all__ = [
     "logistic_focus_array",
     "midpoint_threshold",
     "select_heads",
+    "standardised_l1_fit",
     "threshold_at_fpr",
 ]
 
@@ -189,6 +190,32 @@ def group_folds(groups: Sequence[str], k: int, seed: int = 0) -> np.ndarray:
     return np.array([fold_of[g] for g in groups])
 
 
+def standardised_l1_fit(
+    x: np.ndarray, labels: np.ndarray, c: float
+) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+    """L1 logistic regression (class-balanced) on standardised columns of ``x``: (weights,
+    intercept, column means, column stds), the weights on the standardised scale."""
+    try:
+        from sklearn.linear_model import LogisticRegression
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "calibration needs scikit-learn: pip install 'scikit-learn>=1.8'"
+        ) from exc
+    mean = x.mean(axis=0)
+    std = np.maximum(x.std(axis=0), 1e-6)
+    model = LogisticRegression(
+        C=c,
+        l1_ratio=1.0,
+        solver="liblinear",
+        class_weight="balanced",
+        intercept_scaling=10.0,
+        max_iter=2000,
+        random_state=0,  # liblinear shuffles coordinates: fix it so configs reproduce
+    )
+    model.fit((x - mean) / std, labels)
+    return model.coef_[0], float(model.intercept_[0]), mean, std
+
+
 def fit_l1_logistic(scores: np.ndarray, labels: np.ndarray, c: float) -> tuple[np.ndarray, float]:
     """L1 logistic regression of injection on head scores; (weights, bias) on the raw scale.
 
@@ -200,26 +227,9 @@ def fit_l1_logistic(scores: np.ndarray, labels: np.ndarray, c: float) -> tuple[n
         >>> w, b = fit_l1_logistic(s, y, 10.0); bool(w[0] < 0)
         True
     """
-    try:
-        from sklearn.linear_model import LogisticRegression
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "calibration needs scikit-learn: pip install 'scikit-learn>=1.8'"
-        ) from exc
-    mean = scores.mean(axis=0)
-    std = np.maximum(scores.std(axis=0), 1e-6)
-    model = LogisticRegression(
-        C=c,
-        l1_ratio=1.0,
-        solver="liblinear",
-        class_weight="balanced",
-        intercept_scaling=10.0,
-        max_iter=1000,
-        random_state=0,  # liblinear shuffles coordinates: fix it so configs reproduce
-    )
-    model.fit((scores - mean) / std, labels)
-    coef = model.coef_[0] / std
-    return coef, float(model.intercept_[0] - coef @ mean)
+    weights, intercept, mean, std = standardised_l1_fit(scores, labels, c)
+    coef = weights / std
+    return coef, float(intercept - coef @ mean)
 
 
 def logistic_focus_array(scores: np.ndarray, weights: np.ndarray, bias: float) -> np.ndarray:

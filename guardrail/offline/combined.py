@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from guardrail.offline.calibration import group_folds, threshold_at_fpr
+from guardrail.offline.calibration import group_folds, standardised_l1_fit, threshold_at_fpr
 from guardrail.offline.evaluation import auroc
 from guardrail.probe.config import HiddenLayerProbe
 from guardrail.probe.scoring import FEATURES_PER_HEAD, FeatureKind, HeadKey, head_features
@@ -75,32 +75,11 @@ def feature_matrix(
     return np.concatenate(parts, axis=1)
 
 
-def _fit(
-    x: np.ndarray, y: np.ndarray, c: float
-) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
-    """L1 logistic on standardised columns: (weights, intercept, mean, std) on that scale."""
-    from sklearn.linear_model import LogisticRegression
-
-    mean = x.mean(axis=0)
-    std = np.maximum(x.std(axis=0), 1e-6)
-    model = LogisticRegression(
-        C=c,
-        l1_ratio=1.0,
-        solver="liblinear",
-        class_weight="balanced",
-        intercept_scaling=10.0,
-        max_iter=2000,
-        random_state=0,
-    )
-    model.fit((x - mean) / std, y)
-    return model.coef_[0], float(model.intercept_[0]), mean, std
-
-
 def _oof_logit(x: np.ndarray, y: np.ndarray, folds: np.ndarray, c: float) -> np.ndarray:
     logit = np.empty(len(y))
     for fold in np.unique(folds):
         test = folds == fold
-        w, b, mean, std = _fit(x[~test], y[~test], c)
+        w, b, mean, std = standardised_l1_fit(x[~test], y[~test], c)
         logit[test] = b + ((x[test] - mean) / std) @ w
     return logit
 
@@ -132,7 +111,7 @@ def fit_combined(
             best = (score, c, logit)
     assert best is not None
     cv_auroc, c, oof_logit = best
-    w, b, mean, std = _fit(x, y, c)
+    w, b, mean, std = standardised_l1_fit(x, y, c)
     per_head = FEATURES_PER_HEAD[feature]
     n_head_cols = len(heads) * per_head
     head_w = w[:n_head_cols].reshape(len(heads), per_head)

@@ -16,12 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -35,7 +32,7 @@ from guardrail.errors import ConfigError, EngineDeadError, PromptInjectionBlocke
 from guardrail.guard.async_guarded import AsyncGuardedLLM, GuardedStreamChunk
 from guardrail.guard.decider import DEFAULT_REFUSAL
 from guardrail.metrics.recorder import GuardrailMetrics
-from tests.helpers import assert_heads_match_hf, start_async_engine
+from tests.helpers import assert_heads_match_hf, live, run_close_script, start_async_engine
 
 T = TypeVar("T")
 MAX_TOKENS = 8
@@ -307,23 +304,11 @@ def test_async_chat_model_streams_tokens_as_generated_with_the_verdict_first(
 SHM = Path("/dev/shm")
 
 
-def _live(pids: list[int]) -> list[int]:
-    """The pids that still run (a zombie waiting to be reaped does not count)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            continue
-    return alive
-
-
 def _wait_gone(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
-    while _live(pids) and time.monotonic() < deadline:
+    while live(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return _live(pids)
+    return live(pids)
 
 
 def _engine_processes(before: set[int]) -> dict[int, str]:
@@ -435,7 +420,7 @@ def test_engine_core_killed_mid_stream_raises_engine_dead_and_leaves_nothing(
         engine.close()
         print(f"close() of the dead engine took {time.monotonic() - started:.2f} s")
     engine.close()  # idempotent
-    assert _live(list(procs)) == [], f"engine processes left: {procs}"
+    assert live(list(procs)) == [], f"engine processes left: {procs}"
     assert {n for n in mapped if (SHM / n).exists()} == set()
     assert _left_behind(shm_before, list(procs)) == set()
 
@@ -489,12 +474,6 @@ if __name__ == "__main__":
     asyncio.run(main())
 """
 
-# A line that reports trouble (as in test_faults.py): vLLM's log levels, Python's warnings and
-# resource tracker ("leaked shared_memory objects"), tracebacks.
-_TROUBLE = re.compile(
-    r"\b(WARNING|ERROR|CRITICAL)\b|Warning:|resource_tracker|leaked|force kill|Traceback"
-)
-
 
 def test_close_under_running_streams_leaves_nothing_and_prints_no_warning(
     tiny_llama_dir: Path, tmp_path: Path
@@ -506,34 +485,14 @@ def test_close_under_running_streams_leaves_nothing_and_prints_no_warning(
     root = str(Path(__file__).resolve().parents[2])
     script = tmp_path / "close_async_engine.py"
     script.write_text(_CLOSE_SCRIPT.format(root=root, model=str(tiny_llama_dir)))
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "VLLM_HOST_IP": "127.0.0.1"}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    # vLLM's grace for the worker's exit (test_faults.py, the same test for HookedLLM): on a
-    # loaded machine its clean exit can take longer than the default 5 s, which warns.
-    env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = "60"
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=root,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.splitlines()[-1])
+    report, after_close, stdout = run_close_script(script, tiny_llama_dir)
     print(f"close() under {len(report['streams'])} streams took {report['close_s']:.2f} s")
     assert len(report["pids"]) == 2 and report["shm"]
     assert [outcome for outcome, _ in report["streams"]] == ["EngineClosedError"] * 4
     assert all(chunks > 0 for _, chunks in report["streams"])  # they were streaming
     assert report["left"] == []  # gone when close() returned
-    after_close = [
-        line
-        for stream in (done.stdout, done.stderr)
-        for line in stream.split("@@close", 1)[1].splitlines()
-        if _TROUBLE.search(line)
-    ]
     assert after_close == [], "\n".join(after_close)
-    assert "[shutdown] MPClient: complete" in done.stdout  # vLLM's own shutdown ran to its end
-    assert _live(report["pids"]) == []
+    assert "[shutdown] MPClient: complete" in stdout  # vLLM's own shutdown ran to its end
+    assert live(report["pids"]) == []
     assert [name for name in report["shm"] if (SHM / name).exists()] == []
     assert _left_behind(set(report["shm_before"]), report["pids"]) == set()

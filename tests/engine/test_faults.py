@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -39,23 +38,13 @@ from guardrail.errors import ConfigError, EngineDeadError, RequestError
 from guardrail.guard import GuardedLLM
 from guardrail.metrics import GuardrailMetrics
 from guardrail.policy import FailureMode
-from tests.helpers import FILLER, start_engine
+from tests.helpers import FILLER, live, run_close_script, start_engine
 
 DEATH_BOUND_S = 10.0  # the running call must raise within this long after the kill
 BATCH = [("Summarize the note.", f"Note {i}: the meeting moved to room {i}.") for i in range(8)]
 
 
 # -- processes and shared memory ---------------------------------------------------------------
-def _live(pids: Iterator[int] | list[int]) -> list[int]:
-    """The pids that still run (a zombie waiting to be reaped does not count)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            continue
-    return alive
 
 
 def _engine_processes(before: set[int]) -> dict[int, str]:
@@ -90,7 +79,7 @@ def _children() -> set[int]:
 
 
 def _assert_gone(procs: dict[int, str], shm: set[str]) -> None:
-    assert _live(list(procs)) == [], f"engine processes left: {procs}"
+    assert live(list(procs)) == [], f"engine processes left: {procs}"
     left = {name for name in shm if (Path("/dev/shm") / name).exists()}
     assert left == set(), f"shared memory left: {left}"
 
@@ -105,7 +94,7 @@ def _assert_a_new_engine_starts_cleanly(model_dir: Path, before: set[int]) -> No
     finally:
         engine.close()
     _assert_gone(procs, shm)
-    assert _live(list(_engine_processes(before))) == []  # nothing of either engine is left
+    assert live(list(_engine_processes(before))) == []  # nothing of either engine is left
 
 
 def _kill_soon(pid: int, delay_s: float) -> list[float]:
@@ -248,9 +237,9 @@ def test_engines_are_closed_when_their_start_fails_and_at_interpreter_exit(
     assert report["left"] == []  # the failed start shut its engine down
     assert len(report["pids"]) == 2
     deadline = time.monotonic() + 10
-    while _live(report["pids"]) and time.monotonic() < deadline:
+    while live(report["pids"]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _live(report["pids"]) == []
+    assert live(report["pids"]) == []
 
 
 _CLOSE_SCRIPT = """
@@ -283,12 +272,6 @@ if __name__ == "__main__":
     print(json.dumps(report), flush=True)
 """
 
-# A line that reports trouble: vLLM's log levels (its "force killing remaining processes"),
-# Python's warnings and resource tracker ("leaked shared_memory objects"), tracebacks.
-_TROUBLE = re.compile(
-    r"\b(WARNING|ERROR|CRITICAL)\b|Warning:|resource_tracker|leaked|force kill|Traceback"
-)
-
 
 @pytest.mark.slow
 def test_close_stops_the_engine_cleanly_leaving_nothing_and_printing_no_warning(
@@ -299,33 +282,12 @@ def test_close_stops_the_engine_cleanly_leaving_nothing_and_printing_no_warning(
     root = str(Path(__file__).resolve().parents[2])
     script = tmp_path / "close_engine.py"
     script.write_text(_CLOSE_SCRIPT.format(root=root, model=str(tiny_llama_dir)))
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "VLLM_HOST_IP": "127.0.0.1"}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    # The engine core's own grace for its worker's exit (vLLM's, read from the environment
-    # inside the engine core; the library sets no variable): on a loaded machine the worker's
-    # exit can take longer than vLLM's default 5 s, which warns. docs/startup.md, "Closing".
-    env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = "60"
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=root,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.splitlines()[-1])
+    report, after_close, stdout = run_close_script(script, tiny_llama_dir)
     assert report["scored"] and len(report["pids"]) == 2 and report["shm"]
     assert report["left"] == []  # gone when close() returned
-    after_close = [
-        line
-        for stream in (done.stdout, done.stderr)
-        for line in stream.split("@@close", 1)[1].splitlines()
-        if _TROUBLE.search(line)
-    ]
     assert after_close == [], "\n".join(after_close)
-    assert "[shutdown] MPClient: complete" in done.stdout  # vLLM's own shutdown ran to its end
-    assert _live(report["pids"]) == []
+    assert "[shutdown] MPClient: complete" in stdout  # vLLM's own shutdown ran to its end
+    assert live(report["pids"]) == []
     left = [name for name in report["shm"] if (Path("/dev/shm") / name).exists()]
     assert left == [], f"shared memory left: {left}"
 

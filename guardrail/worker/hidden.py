@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
+from guardrail.worker.forward import decoder_layers, step_metadata
 
 __all__ = ["HiddenReader", "install_hidden", "make_hidden_hook"]
 
@@ -82,10 +83,8 @@ def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
         started = time.perf_counter()
         try:
             context = get_forward_context()
-            metadata: Any = context.attn_metadata
-            if isinstance(metadata, dict):
-                metadata = next(iter(metadata.values()), None)
-            if metadata is None or isinstance(metadata, list):  # warm-up, profiling
+            metadata = step_metadata(context)
+            if metadata is None:  # warm-up, profiling
                 return
             if probe.plan(runner, context, metadata):
                 hidden, residual = output if isinstance(output, tuple) else (output, None)
@@ -98,16 +97,6 @@ def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
             probe.finish_step()
 
     return hook
-
-
-def _decoder_layers(runner: Any) -> Any:
-    layers = getattr(getattr(runner.model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(
-            f"{type(runner.model).__name__} has no model.layers: the hidden-state signal "
-            "cannot read this model; use an attention-only config"
-        )
-    return layers
 
 
 def install_hidden(
@@ -130,7 +119,12 @@ def install_hidden(
             "compiled mode the decoder layers run inside a captured graph where its hooks "
             "never fire (or use an attention-only config)"
         )
-    layers = _decoder_layers(runner)
+    layers = decoder_layers(runner)
+    if layers is None:
+        raise ValueError(
+            f"{type(runner.model).__name__} has no model.layers: the hidden-state signal "
+            "cannot read this model; use an attention-only config"
+        )
     for index in wanted:
         if not 0 <= index < len(layers):
             raise ValueError(f"hidden layer {index} outside the model's {len(layers)} layers")

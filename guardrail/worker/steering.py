@@ -27,6 +27,7 @@ from guardrail.protocol import (
     SteerSpec,
 )
 from guardrail.steering.math import SteeringMethod, steering_delta
+from guardrail.worker.forward import decoder_layers, step_metadata
 
 __all__ = ["SteeringHooks"]
 
@@ -77,10 +78,8 @@ class _Steering:
         if context is self._step:
             return self._rows
         self._step, self._rows = context, []
-        metadata: Any = context.attn_metadata
-        if isinstance(metadata, dict):
-            metadata = next(iter(metadata.values()), None)
-        if metadata is None or isinstance(metadata, list):  # warm-up, profiling, micro-batching
+        metadata = step_metadata(context)
+        if metadata is None:  # warm-up, profiling, micro-batching
             return self._rows
         found: list[tuple[int, Any, Any, Any]] = []
         for i, rid in enumerate(runner.input_batch.req_ids):
@@ -182,10 +181,9 @@ class SteeringHooks:
         self.state = _Steering()
 
     def _decoder_layers(self) -> Any:
-        model = self.runner.model
-        layers = getattr(getattr(model, "model", None), "layers", None)
+        layers = decoder_layers(self.runner)
         if layers is None:
-            raise RuntimeError(f"{type(model).__name__} has no model.layers to steer")
+            raise RuntimeError(f"{type(self.runner.model).__name__} has no model.layers to steer")
         return layers
 
     def _require_eager(self) -> None:

@@ -433,12 +433,7 @@ def shipped_config(report: dict[str, Any], data: Data) -> Any:
     thresholds.update({f"{k} {at}": round(v, 6) for k, v in model["per_source"].items()})
     return ModelProbeConfig(
         model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-        probe="logistic",
-        heads=fit.heads,
-        weights=fit.weights,
-        bias=fit.bias,
-        feature=fit.feature,
-        hidden=fit.hidden,
+        **fit.probe_fields(),
         threshold=round(float(model["threshold"]), 6),
         num_layers=30,
         num_heads=9,

@@ -196,11 +196,7 @@ def combined_probe(
         {f"{name} fpr@{args.target_fpr:g}": round(v, 6) for name, v in per_source.items()}
     )
     return {
-        "heads": fit.heads,
-        "weights": fit.weights,
-        "bias": fit.bias,
-        "feature": fit.feature,
-        "hidden": [part.model_dump() for part in fit.hidden],
+        **fit.probe_fields(),
         "threshold": float(np.clip(threshold, 0.0, 1.0)),
         "thresholds": values,
         "cv_auroc": fit.cv_auroc,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +62,17 @@ class CombinedFit:
     c: float
     cv_auroc: float
     oof_focus: np.ndarray  # out-of-fold focus of every row (thresholds are set on it)
+
+    def probe_fields(self) -> dict[str, Any]:
+        """The ``ModelProbeConfig`` fields of this probe (add model_id, threshold, sizes)."""
+        return {
+            "probe": "logistic",
+            "heads": self.heads,
+            "weights": self.weights,
+            "bias": self.bias,
+            "feature": self.feature,
+            "hidden": self.hidden,
+        }
 
 
 def feature_matrix(

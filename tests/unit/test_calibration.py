@@ -301,16 +301,7 @@ def test_a_combined_fit_reads_both_signals_and_its_config_scores_like_the_fit():
     fit, stats, heads, hidden, y = _combined_rows()
     assert (0, 1) in fit.heads and any(p.layer == 5 and 7 in p.dims for p in fit.hidden)
     assert fit.cv_auroc > 0.8  # well above chance on these noisy synthetic rows
-    config = ModelProbeConfig(
-        model_id="m",
-        probe="logistic",
-        heads=fit.heads,
-        weights=fit.weights,
-        bias=fit.bias,
-        feature=fit.feature,
-        hidden=fit.hidden,
-        hidden_size=32,
-    )
+    config = ModelProbeConfig(model_id="m", hidden_size=32, **fit.probe_fields())
     vectorised = combined_focus(fit, stats, heads, hidden)
     column = {h: j for j, h in enumerate(heads)}
     for i in range(0, len(y), 17):

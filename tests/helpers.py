@@ -222,6 +222,36 @@ def live(pids: Sequence[int]) -> list[int]:
     return alive
 
 
+def engine_processes(before: set[int]) -> dict[int, str]:
+    """vLLM processes under this one that were not there before the engine started."""
+    import psutil
+
+    found = {}
+    for p in psutil.Process().children(recursive=True):
+        if p.pid not in before:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found[p.pid] = p.name()
+    return {pid: name for pid, name in found.items() if "VLLM" in name}
+
+
+def shm_mapped(pids: Sequence[int] | None) -> set[str]:
+    """/dev/shm files the processes map (message queues, semaphores; every process's maps when
+    ``pids`` is None)."""
+    if pids is None:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                names.add(fields[5].removeprefix("/dev/shm/").removesuffix(" (deleted)"))
+    return names
+
+
 def run_close_script(script: Path, model_dir: Path) -> tuple[dict[str, Any], list[str], str]:
     """Run a script that starts an engine on ``model_dir``, prints ``@@close`` just before
     closing it and a JSON report as its last stdout line; return (report, the lines after

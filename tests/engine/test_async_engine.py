@@ -14,7 +14,6 @@ placed between scores the engine really produced.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 import re
@@ -32,7 +31,14 @@ from guardrail.errors import ConfigError, EngineDeadError, PromptInjectionBlocke
 from guardrail.guard.async_guarded import AsyncGuardedLLM, GuardedStreamChunk
 from guardrail.guard.decider import DEFAULT_REFUSAL
 from guardrail.metrics.recorder import GuardrailMetrics
-from tests.helpers import assert_heads_match_hf, live, run_close_script, start_async_engine
+from tests.helpers import (
+    assert_heads_match_hf,
+    engine_processes,
+    live,
+    run_close_script,
+    shm_mapped,
+    start_async_engine,
+)
 
 T = TypeVar("T")
 MAX_TOKENS = 8
@@ -311,33 +317,6 @@ def _wait_gone(pids: list[int], seconds: float) -> list[int]:
     return live(pids)
 
 
-def _engine_processes(before: set[int]) -> dict[int, str]:
-    """vLLM processes under this one that were not there before the engine started."""
-    found = {}
-    for p in psutil.Process().children(recursive=True):
-        if p.pid not in before:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                found[p.pid] = p.name()
-    return {pid: name for pid, name in found.items() if "VLLM" in name}
-
-
-def _shm_mapped(pids: Any) -> set[str]:
-    """/dev/shm files the processes map (every process's maps when ``pids`` is None)."""
-    if pids is None:
-        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
-    names = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-        except OSError:
-            continue
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
-                names.add(fields[5].removeprefix(f"{SHM}/").removesuffix(" (deleted)"))
-    return names
-
-
 def _left_behind(before: set[str], pids: list[int]) -> set[str]:
     """/dev/shm entries created since ``before`` that are still there and in nobody's use: what
     the engine (``pids``) left. Other programs on this shared machine also create entries, so
@@ -347,7 +326,7 @@ def _left_behind(before: set[str], pids: list[int]) -> set[str]:
 
     def unused() -> set[str]:
         new = set(os.listdir(SHM)) - before
-        in_use = _shm_mapped(None) if new else set()
+        in_use = shm_mapped(None) if new else set()
         return {
             name
             for name in new - in_use
@@ -370,8 +349,8 @@ def test_engine_core_killed_mid_stream_raises_engine_dead_and_leaves_nothing(
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     shm_before = set(os.listdir(SHM))
     engine = run(start_async_engine(tiny_llama_dir))
-    procs = _engine_processes(before)
-    mapped = _shm_mapped(list(procs))
+    procs = engine_processes(before)
+    mapped = shm_mapped(list(procs))
     try:
         assert sorted(engine.engine_pids) == sorted(procs)
         assert mapped  # vLLM's message queues

@@ -38,40 +38,20 @@ from guardrail.errors import ConfigError, EngineDeadError, RequestError
 from guardrail.guard import GuardedLLM
 from guardrail.metrics import GuardrailMetrics
 from guardrail.policy import FailureMode
-from tests.helpers import FILLER, live, run_close_script, start_engine
+from tests.helpers import (
+    FILLER,
+    engine_processes,
+    live,
+    run_close_script,
+    shm_mapped,
+    start_engine,
+)
 
 DEATH_BOUND_S = 10.0  # the running call must raise within this long after the kill
 BATCH = [("Summarize the note.", f"Note {i}: the meeting moved to room {i}.") for i in range(8)]
 
 
 # -- processes and shared memory ---------------------------------------------------------------
-
-
-def _engine_processes(before: set[int]) -> dict[int, str]:
-    """Processes under the test process that were not there before the engine started."""
-    found = {}
-    for p in psutil.Process().children(recursive=True):
-        if p.pid not in before:
-            try:
-                found[p.pid] = p.name()
-            except psutil.NoSuchProcess:
-                continue
-    return {pid: name for pid, name in found.items() if "VLLM" in name}
-
-
-def _shm_of(pids: list[int]) -> set[str]:
-    """/dev/shm files the processes map (message queues, semaphores)."""
-    names = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-        except OSError:
-            continue
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
-                names.add(fields[5].removeprefix("/dev/shm/").removesuffix(" (deleted)"))
-    return names
 
 
 def _children() -> set[int]:
@@ -86,15 +66,15 @@ def _assert_gone(procs: dict[int, str], shm: set[str]) -> None:
 
 def _assert_a_new_engine_starts_cleanly(model_dir: Path, before: set[int]) -> None:
     engine = start_engine(model_dir, multiprocess=True)
-    procs = _engine_processes(before)
-    shm = _shm_of(list(procs))
+    procs = engine_processes(before)
+    shm = shm_mapped(list(procs))
     try:
         out = engine.generate([("Summarize.", "Hi Sam, lunch at noon?")])[0]
         assert out.probe is not None and out.probe.error is None and out.probe.focus is not None
     finally:
         engine.close()
     _assert_gone(procs, shm)
-    assert live(list(_engine_processes(before))) == []  # nothing of either engine is left
+    assert live(list(engine_processes(before))) == []  # nothing of either engine is left
 
 
 def _kill_soon(pid: int, delay_s: float) -> list[float]:
@@ -115,8 +95,8 @@ def _kill_soon(pid: int, delay_s: float) -> list[float]:
 def test_engine_core_killed_mid_batch_fails_the_batch_closed_within_seconds(tiny_llama_dir):
     before = _children()
     engine = start_engine(tiny_llama_dir, multiprocess=True)
-    procs = _engine_processes(before)
-    shm = _shm_of(list(procs))
+    procs = engine_processes(before)
+    shm = shm_mapped(list(procs))
     try:
         assert sorted(procs) == sorted(engine.engine_pids)
         core = next(pid for pid, name in procs.items() if "EngineCore" in name)
@@ -168,8 +148,8 @@ def test_engine_core_killed_mid_batch_fails_the_batch_closed_within_seconds(tiny
 def test_worker_killed_mid_batch_raises_engine_dead_within_seconds(tiny_llama_dir):
     before = _children()
     engine = start_engine(tiny_llama_dir, multiprocess=True)
-    procs = _engine_processes(before)
-    shm = _shm_of(list(procs))
+    procs = engine_processes(before)
+    shm = shm_mapped(list(procs))
     try:
         workers = [pid for pid, name in procs.items() if "Worker" in name]
         assert len(workers) == 1, procs  # CPU: the model runs in its own VLLM::Worker process
@@ -199,7 +179,7 @@ sys.path.insert(0, {root!r})
 import psutil
 from tests.helpers import start_engine
 
-def live_engine_processes():
+def liveengine_processes():
     return [p.pid for p in psutil.Process().children(recursive=True)
             if "VLLM" in p.name() and p.status() != psutil.STATUS_ZOMBIE]
 
@@ -208,7 +188,7 @@ if __name__ == "__main__":
         start_engine({model!r}, multiprocess=True, probe_heads=[(99, 0)])
     except Exception as exc:
         failed = type(exc).__name__
-    left = live_engine_processes()
+    left = liveengine_processes()
     engine = start_engine({model!r}, multiprocess=True)
     print(json.dumps({{"failed": failed, "left": left, "pids": engine.engine_pids}}), flush=True)
     # exits without close(): the engine must be shut down at interpreter exit

@@ -183,7 +183,9 @@ class AsyncHookedLLM:
         from vllm import AsyncEngineArgs, AsyncLLMEngine
 
         args = AsyncEngineArgs(model=str(model), **EngineHandle.start_arguments(arguments))
-        self = cls(AsyncLLMEngine.from_engine_args(args), str(model), config)
+        with EngineHandle.spawning():
+            engine = AsyncLLMEngine.from_engine_args(args)
+        self = cls(engine, str(model), config)
         self.loop = asyncio.get_running_loop()
         try:
             self._supervisor = EngineSupervisor(self._engine, loop=self.loop)

@@ -105,7 +105,9 @@ class HookedLLM:
 
         self._handle = EngineHandle()
         self._finalizer = weakref.finalize(self, self._handle.close, FINALIZE_LOCK_WAIT_S)
-        self._handle.llm = llm = LLM(model=self.model, **EngineHandle.start_arguments(arguments))
+        with EngineHandle.spawning():
+            llm = LLM(model=self.model, **EngineHandle.start_arguments(arguments))
+        self._handle.llm = llm
         try:  # from here on, any failure or Ctrl-C closes the engine before propagating
             self._handle.watch()
             self._tokenizer = llm.get_tokenizer()

@@ -83,6 +83,7 @@ class FakeEngine:
             "tp_size": 1,
             "pp_size": 1,
             "device": "cpu",
+            "fast_exit": False,  # no engine process
         }
         self.faults: set[str] = set()
         self.calls: list[list[str]] = []  # probe keys sent, per generate call

@@ -238,17 +238,31 @@ def shm_of(pids):
                 names.add(fields[5].removeprefix("/dev/shm/").removesuffix(" (deleted)"))
     return sorted(names)
 
+# What vLLM's own teardown left for the supervisor's fallback (the processes exit with their
+# heap frozen, guardrail/worker/fast_exit.py: their segments must still be unlinked by them).
+from guardrail.engine import vllm_client
+left_for_supervisor = []
+unlink = vllm_client.EngineSupervisor._unlink_shared_memory
+def record_then_unlink(self):
+    left_for_supervisor.extend(
+        n for n in self.shared_memory if n.startswith("psm_") and (Path("/dev/shm") / n).exists()
+    )
+    unlink(self)
+vllm_client.EngineSupervisor._unlink_shared_memory = record_then_unlink
+
 if __name__ == "__main__":
     engine = start_engine({model!r}, multiprocess=True)
     out = engine.generate([("Summarize.", "Hi Sam, lunch at noon?")])[0]
     pids = engine.engine_pids
     shm = shm_of(pids)
+    fast_exit = engine.model_info["fast_exit"]  # the worker's; the engine core spawned it
     print("@@close", flush=True)
     print("@@close", file=sys.stderr, flush=True)
     engine.close()
     left = [p.pid for p in psutil.Process().children(recursive=True)
             if p.pid in pids and p.status() != psutil.STATUS_ZOMBIE]
-    report = {{"pids": pids, "shm": shm, "left": left, "scored": out.probe.focus is not None}}
+    report = {{"pids": pids, "shm": shm, "left": left, "scored": out.probe.focus is not None,
+              "fast_exit": fast_exit, "left_for_supervisor": left_for_supervisor}}
     print(json.dumps(report), flush=True)
 """
 
@@ -265,6 +279,11 @@ def test_close_stops_the_engine_cleanly_leaving_nothing_and_printing_no_warning(
     report, after_close, stdout = run_close_script(script, tiny_llama_dir)
     assert report["scored"] and len(report["pids"]) == 2 and report["shm"]
     assert report["left"] == []  # gone when close() returned
+    # the engine's processes (not this one) exit with their heap frozen, and still unlink their
+    # own shared memory before that: nothing was left for the supervisor's fallback
+    assert report["fast_exit"] is True  # and not in this process:
+    assert "GUARDRAIL_FAST_EXIT" not in os.environ
+    assert report["left_for_supervisor"] == []
     assert after_close == [], "\n".join(after_close)
     assert "[shutdown] MPClient: complete" in stdout  # vLLM's own shutdown ran to its end
     assert live(report["pids"]) == []

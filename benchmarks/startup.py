@@ -13,7 +13,9 @@ one file per run, where the warnings are looked for.
 Modes: ``eager`` (``enforce_eager=True``), ``compiled`` (``enforce_eager=False``: vLLM's
 torch.compile mode), ``compiled-no-aot`` (compiled, with ``VLLM_USE_AOT_COMPILE=0`` in the run's
 environment: vLLM 0.32's CPU build cannot load its own AOT artifact and compiles again at every
-start; without AOT it reuses its compile cache) and ``default`` (no ``enforce_eager``: what
+start; without AOT it reuses its compile cache), ``eager-no-fast-exit`` (eager, with
+``GUARDRAIL_FAST_EXIT=0``: the engine's processes collect their heap at exit, as plain vLLM's do;
+the baseline of guardrail/worker/lifecycle.py) and ``default`` (no ``enforce_eager``: what
 ``GuardedLLM(dtype="float32")`` gets; eager on CPU, see guardrail/engine/defaults.py). No KV
 cache size is set: the library's CPU default applies unless ``VLLM_CPU_KVCACHE_SPACE`` is in the
 environment (it is recorded).
@@ -55,10 +57,20 @@ MODES = {
     "compiled": {"enforce_eager": False},
     "compiled-no-aot": {"enforce_eager": False},
     "default": {},
+    "eager-no-fast-exit": {"enforce_eager": True},
 }
-MODE_ENV = {"compiled-no-aot": {"VLLM_USE_AOT_COMPILE": "0"}}
+MODE_ENV = {
+    "compiled-no-aot": {"VLLM_USE_AOT_COMPILE": "0"},
+    "eager-no-fast-exit": {"GUARDRAIL_FAST_EXIT": "0"},
+}
 """Environment a mode's process runs with, on top of this one's."""
-TIMEOUT_S = {"eager": 900, "default": 900, "compiled": 3600, "compiled-no-aot": 3600}
+TIMEOUT_S = {
+    "eager": 900,
+    "eager-no-fast-exit": 900,
+    "default": 900,
+    "compiled": 3600,
+    "compiled-no-aot": 3600,
+}
 RESULT_TAG, CLOSE_TAG = "@@startup-result ", "@@startup-close-start"
 TASK = "Summarize the email in one sentence."
 EMAILS = [
@@ -335,36 +347,44 @@ column).
 
 `close()` runs vLLM's own shutdown: the engine core gets SIGTERM, closes its worker's pipe, waits
 for the worker to exit, tears down and exits; the library then checks that no engine process or
-`/dev/shm` segment is left. Nearly all of that time is Python's garbage collection as those two
-processes exit: vLLM's `EngineCore.shutdown` and `Worker.shutdown` unfreeze the whole start-up
-heap (~700,000 objects: torch, vLLM, the model) and the interpreter's final collections scan it,
-about 2 s per process on a quiet machine, one after the other (vLLM re-freezes the heap only on
-ROCm; upstream issue vllm-project/vllm#48620). Nothing in the caller's process shortens that. In
-a test on a quiet machine, freezing the heap at exit in the worker process alone took `close()`
-from 5.0-5.2 s to 3.2-3.3 s, and in both engine processes to 1.6 s.
+`/dev/shm` segment is left. With vLLM alone, nearly all of that time is Python's garbage
+collection as those two processes exit: vLLM's `EngineCore.shutdown` and `Worker.shutdown`
+unfreeze the whole start-up heap (~700,000 objects: torch, vLLM, the model) and the
+interpreter's final collections scan it, about 2 s per process on a quiet machine, one after the
+other (vLLM re-freezes the heap at exit only on ROCm; upstream issue vllm-project/vllm#48620).
 
-vLLM bounds those waits with fixed timeouts, and they are close to both:
+The engines this library starts skip that: a vLLM general plugin (`guardrail/worker/lifecycle.py`,
+registered in pyproject.toml under `vllm.general_plugins`) freezes each engine process's heap when
+it exits, after vLLM's own teardown has closed its queues and unlinked its shared memory, as vLLM
+does on ROCm. It acts only in the engine-core and worker processes of engines started by
+`HookedLLM`, `GuardedLLM`, `AsyncHookedLLM` or `guardrail-serve` (they inherit
+`GUARDRAIL_ENGINE=1` while vLLM spawns them), never in the caller's process or in other vLLM
+engines; `GUARDRAIL_FAST_EXIT=0` turns it off (the `eager-no-fast-exit` rows).{closing}
+
+What is left of `close()` is vLLM's own teardown: the engine core's reaction to SIGTERM, the
+worker's (its model runner's teardown ends in an explicit `gc.collect()` after `gc.unfreeze()`,
+~0.45 s here), then the engine core's (`cleanup_dist_env_and_memory`, the same, ~0.4 s), one after
+the other (py-spy profiles of the two processes during `close()`). No extension point reaches
+those two collections, so `close()` stays above 1 s on this machine; an open vLLM pull request
+(vllm-project/vllm#49082, "skip full GC during EngineCore process exit") removes them upstream.
+
+vLLM bounds those waits with fixed timeouts:
 
 - vLLM's process manager, in the caller's process, gives the engine core 5 s
   (`vllm/v1/utils.py`, `shutdown`), then kills it and its worker ("force killing remaining
-  processes"). Before this change that is what happened to most closes in compiled mode and on a
-  busy machine (quiet, `close()` took 4.5-4.9 s eager and 5.1-5.3 s compiled, the compiled ones
-  force-killed), and a killed process can leave Python's resource tracker listing a shared-memory
-  segment, which it reports at interpreter exit ("leaked shared_memory objects", then "No such
-  file or directory" when the segment was unlinked after all). `close()` now gives vLLM's
-  shutdown 60 s (`SHUTDOWN_TIMEOUT_S` in `guardrail/engine/vllm_client.py`), which only bounds an
-  engine that hangs, and after the processes are gone it unlinks any segment they left and drops
-  any registration they left with the tracker for a segment that is gone.
+  processes"), and a killed process can leave Python's resource tracker listing a shared-memory
+  segment, which it reports at interpreter exit ("leaked shared_memory objects"). `close()` gives
+  vLLM's shutdown 60 s (`SHUTDOWN_TIMEOUT_S` in `guardrail/engine/vllm_client.py`), which only
+  bounds an engine that hangs, and after the processes are gone it unlinks any segment they left
+  and drops any registration they left with the tracker for a segment that is gone.
 - The engine core gives its worker `VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS` (5 s) to exit
-  (`MultiprocExecutor._ensure_worker_termination`), then sends it SIGTERM, with a warning
-  ("workers still running after grace period"; the worker, already shutting down, ignores it),
-  and SIGKILL 4 s later. The engine core reads that timeout from its environment, and the library
-  sets no environment variable: on a busy machine or in compiled mode (a larger heap) that warning
-  still shows (the "warnings at close" column). Set `VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=30`
-  before the engine starts to let the worker finish.
+  (`MultiprocExecutor._ensure_worker_termination`), then sends it SIGTERM with a warning
+  ("workers still running after grace period"). Without the plugin the worker's exit takes 2-5 s
+  and that warning shows on a busy machine; with it the worker exits in about a second.
 
 The process that closed the engine then spends about 2 s more at its own exit ("exit after
-close"), collecting the vLLM objects imported into it.
+close"), collecting the vLLM objects imported into it. That is the caller's own interpreter; the
+library does not freeze it (that would skip the caller's own finalisers).
 
 Raw figures, per run: `benchmarks/results/startup_<model>.json`; vLLM's full log of each run is
 kept in the temporary directory the benchmark prints.
@@ -444,6 +464,16 @@ def _warnings_text(runs: list[dict[str, Any]]) -> str:
         f"{text} {len(warned)} of {len(runs)} runs printed a warning from `close()` to their end: "
         + "; ".join(f"`{k}`" for k in kinds)
         + " (see Closing)."
+    )
+
+
+def _closing_text(summary: dict[str, dict[str, Any]]) -> str:
+    if "eager" not in summary or "eager-no-fast-exit" not in summary:
+        return ""
+    on, off = summary["eager"]["median_close_s"], summary["eager-no-fast-exit"]["median_close_s"]
+    return (
+        f" In this run, eager `close()` took {on:.2f} s with the plugin against {off:.2f} s "
+        f"without it ({off / on:.1f}x, medians)."
     )
 
 
@@ -533,7 +563,8 @@ def write_doc() -> None:
                 **{k: info[k] for k in ("cpu", "cores", "memory_gib", "vllm", "torch", "python")},
             )
         )
-    parts.append(DOC_TAIL.format(init=_init_text(results)))
+    closing = "".join(_closing_text(result["summary"]) for result in results[:1])
+    parts.append(DOC_TAIL.format(init=_init_text(results), closing=closing))
     DOC.write_text(_reflow("".join(parts)))
 
 
@@ -550,7 +581,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs per mode")
     parser.add_argument(
-        "--modes", default="eager,compiled", help="eager, compiled, compiled-no-aot, default"
+        "--modes",
+        default="eager,eager-no-fast-exit,compiled",
+        help="eager, compiled, compiled-no-aot, default, eager-no-fast-exit",
     )
     parser.add_argument("--model", default="embedded", help="embedded, or a model directory")
     parser.add_argument("--decode-requests", type=int, default=8)

@@ -19,6 +19,7 @@ from typing import Any, NotRequired, TypedDict
 
 __all__ = [
     "CAPTURE_ARG",
+    "ENGINE_ENV",
     "FAST_EXIT_ENV",
     "MAX_STORED_RESULTS",
     "PROBE_ARG",
@@ -45,10 +46,12 @@ __all__ = [
 # -- where vLLM finds the worker side -----------------------------------------------------------
 WORKER_EXTENSION = "guardrail.worker.extension.GuardrailWorkerExtension"
 """``LLM(worker_extension_cls=...)``: mixed into vLLM's worker class in the worker process."""
+ENGINE_ENV = "GUARDRAIL_ENGINE"
+"""Set to "1" while the caller starts an engine: the processes vLLM spawns inherit it, and the
+vLLM plugin ``guardrail.worker.lifecycle`` (entry point in pyproject.toml) acts in them only."""
 FAST_EXIT_ENV = "GUARDRAIL_FAST_EXIT"
-"""Set to "1" while the caller starts an engine: its processes inherit it, and the vLLM plugin
-``guardrail.worker.fast_exit`` (entry point in pyproject.toml) then skips the collection of
-their heap at exit. "0" in the environment turns that off."""
+"""Set to "0" (by the user) to keep vLLM's collection of the heap at exit in a guarded engine's
+processes (``guardrail.worker.lifecycle``)."""
 STOP_PROCESSOR = "guardrail.worker.stop:ProbeStopLogitsProcessor"
 """``LLM(logits_processors=[...])``: ends probe-stopped requests right after prefill."""
 
@@ -148,6 +151,6 @@ class ModelInfo(TypedDict):
     tp_size: int
     pp_size: int
     device: str
-    fast_exit: bool  # this worker exits without collecting its heap (guardrail.worker.fast_exit)
+    fast_exit: bool  # this worker exits without collecting its heap (guardrail.worker.lifecycle)
     hooked_layers: NotRequired[list[int]]
     hidden_layers: NotRequired[list[int]]  # decoder layers whose residual stream is read

@@ -54,26 +54,26 @@ What it does:
 The in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) has no process to watch; there the
 supervisor is inert.
 
-Closing. vLLM's clean exit of an idle engine took about 4.5 s on a 2-core CPU machine, nearly
-all of it Python's garbage collection at interpreter exit: ``EngineCore.shutdown``
+Closing. vLLM's clean exit of an idle engine took about 4.5 s on a 2-core CPU machine, nearly all
+of it Python's garbage collection at interpreter exit: ``EngineCore.shutdown``
 (vllm/v1/engine/core.py, ``gc.unfreeze()``) and ``Worker.shutdown`` (vllm/v1/worker/gpu_worker.py,
 which ``CPUWorker`` inherits) hand the whole start-up heap (~700,000 objects: torch, vLLM, the
 model) back to the collector, whose final full collections then took ~2 s in each process (vLLM
 re-freezes it only on ROCm, core.py ``run_engine_core``; upstream issue vllm-project/vllm#48620).
 The engine core waits for its worker to exit before its own teardown
-(``MultiprocExecutor._ensure_worker_termination``), so the two run one after the other. The
-engines this library starts therefore spawn their processes under ``EngineHandle.spawning``
-(``FAST_EXIT_ENV=1``), and the vLLM plugin ``guardrail.worker.fast_exit`` freezes the heap of each
-of them at exit, as vLLM does on ROCm: close takes ~1.5 s (docs/startup.md). What is left is
-vLLM's own explicit ``gc.collect()`` in each shutdown (worker ~0.45 s, engine core ~0.4 s, one
-after the other), which no extension point reaches. vLLM's process manager gives the engine core
-5 s (``vllm.v1.utils.shutdown``: ``timeout=None`` means 5.0) and then kills it and its worker
-("force killing remaining processes"); on a busy machine the exit can take longer than that, so
-``close`` gives vLLM's shutdown ``SHUTDOWN_TIMEOUT_S``: the processes finish their own cleanup and
-nothing is killed. Python's resource tracker, which the engine's processes share with this one,
-then must not list any of their ``/dev/shm`` segments, or it warns at this process's exit
-("leaked shared_memory objects"): ``stop`` unlinks what they left and drops registrations they
-left for segments that are gone (``_unlink_shared_memory``).
+(``MultiprocExecutor._ensure_worker_termination``), so the two run one after the other. The engines
+this library starts therefore spawn their processes under ``EngineHandle.spawning``
+(``ENGINE_ENV=1``), and the vLLM plugin ``guardrail.worker.lifecycle`` freezes the heap of each of
+them at exit, as vLLM does on ROCm: close takes ~1.5 s (docs/startup.md). What is left is vLLM's
+own explicit ``gc.collect()`` in each shutdown (worker ~0.45 s, engine core ~0.4 s, one after the
+other), which no extension point reaches (open upstream: vllm-project/vllm#49082). vLLM's process
+manager gives the engine core 5 s (``vllm.v1.utils.shutdown``: ``timeout=None`` means 5.0) and then
+kills it and its worker ("force killing remaining processes"); on a busy machine the exit can take
+longer than that, so ``close`` gives vLLM's shutdown ``SHUTDOWN_TIMEOUT_S``: the processes finish
+their own cleanup and nothing is killed. Python's resource tracker, which the engine's processes
+share with this one, then must not list any of their ``/dev/shm`` segments, or it warns at this
+process's exit ("leaked shared_memory objects"): ``stop`` unlinks what they left and drops
+registrations they left for segments that are gone (``_unlink_shared_memory``).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ from typing import Any
 
 from guardrail.engine.defaults import cpu_defaults
 from guardrail.errors import EngineClosedError, EngineDeadError, GuardrailError
-from guardrail.protocol import FAST_EXIT_ENV
+from guardrail.protocol import ENGINE_ENV
 
 __all__ = [
     "EngineHandle",
@@ -469,18 +469,19 @@ class EngineHandle:
     @staticmethod
     @contextlib.contextmanager
     def spawning() -> Iterator[None]:
-        """Around the start of a vLLM engine: the processes it spawns inherit
-        ``FAST_EXIT_ENV=1``, so they skip the collection of their heap at exit
-        (guardrail/worker/fast_exit.py; "Closing" above). A value already in the environment
-        wins ("0" turns it off); the variable is removed again afterwards."""
-        if FAST_EXIT_ENV in os.environ:
-            yield
-            return
-        os.environ[FAST_EXIT_ENV] = "1"
+        """Around the start of a vLLM engine: the processes it spawns inherit ``ENGINE_ENV=1``,
+        which arms the plugin ``guardrail.worker.lifecycle`` in them (they skip the collection
+        of their heap at exit, "Closing" above, and stop when this process is gone). The
+        variable is restored afterwards."""
+        before = os.environ.get(ENGINE_ENV)
+        os.environ[ENGINE_ENV] = "1"
         try:
             yield
         finally:
-            os.environ.pop(FAST_EXIT_ENV, None)
+            if before is None:
+                os.environ.pop(ENGINE_ENV, None)
+            else:
+                os.environ[ENGINE_ENV] = before
 
     @staticmethod
     def start_arguments(arguments: dict[str, Any]) -> dict[str, Any]:

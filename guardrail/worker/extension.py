@@ -14,7 +14,7 @@ from typing import Any
 
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.protocol import ModelInfo, ProbeResultData, SteerReportData
-from guardrail.worker import fast_exit
+from guardrail.worker import lifecycle
 from guardrail.worker.probe import PROBES, Probe, install_probe, uninstall_probe
 from guardrail.worker.steering import SteeringHooks
 
@@ -62,7 +62,7 @@ class GuardrailWorkerExtension:
             "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
             "pp_size": parallel_state.get_pp_group().world_size,
             "device": str(self.model_runner.device),
-            "fast_exit": fast_exit.armed(),
+            "fast_exit": lifecycle.armed(),
         }
 
     def _attention_layers(self) -> dict[int, Any]:

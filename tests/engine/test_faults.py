@@ -19,6 +19,7 @@ child of the ``VLLM::EngineCore`` process (a child of the test process).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -239,7 +240,7 @@ def shm_of(pids):
     return sorted(names)
 
 # What vLLM's own teardown left for the supervisor's fallback (the processes exit with their
-# heap frozen, guardrail/worker/fast_exit.py: their segments must still be unlinked by them).
+# heap frozen, guardrail/worker/lifecycle.py: their segments must still be unlinked by them).
 from guardrail.engine import vllm_client
 left_for_supervisor = []
 unlink = vllm_client.EngineSupervisor._unlink_shared_memory
@@ -282,13 +283,69 @@ def test_close_stops_the_engine_cleanly_leaving_nothing_and_printing_no_warning(
     # the engine's processes (not this one) exit with their heap frozen, and still unlink their
     # own shared memory before that: nothing was left for the supervisor's fallback
     assert report["fast_exit"] is True  # and not in this process:
-    assert "GUARDRAIL_FAST_EXIT" not in os.environ
+    assert "GUARDRAIL_ENGINE" not in os.environ
     assert report["left_for_supervisor"] == []
     assert after_close == [], "\n".join(after_close)
     assert "[shutdown] MPClient: complete" in stdout  # vLLM's own shutdown ran to its end
     assert live(report["pids"]) == []
     left = [name for name in report["shm"] if (Path("/dev/shm") / name).exists()]
     assert left == [], f"shared memory left: {left}"
+
+
+_ORPHAN_SCRIPT = """
+import json, sys, time
+sys.path.insert(0, {root!r})
+from tests.helpers import shm_mapped, start_engine
+
+if __name__ == "__main__":
+    engine = start_engine({model!r}, multiprocess=True)
+    out = engine.generate([("Summarize.", "Hi Sam, lunch at noon?")])[0]
+    pids = engine.engine_pids
+    print("@@engine", json.dumps({{"pids": pids, "shm": sorted(shm_mapped(pids))}}), flush=True)
+    time.sleep(600)  # killed before this ends
+"""
+
+
+@pytest.mark.slow
+def test_an_engine_whose_caller_is_killed_stops_and_frees_its_shared_memory(
+    tiny_llama_dir, tmp_path
+):
+    """A caller killed by SIGKILL runs no cleanup at all; vLLM's engine core alone would run on,
+    serving nobody. The lifecycle plugin's watch SIGTERMs it: vLLM shuts the engine down."""
+    root = str(Path(__file__).resolve().parents[2])
+    script = tmp_path / "orphan_engine.py"
+    script.write_text(_ORPHAN_SCRIPT.format(root=root, model=str(tiny_llama_dir)))
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with (tmp_path / "stderr.txt").open("w") as stderr:
+        caller = subprocess.Popen(
+            [sys.executable, str(script)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            cwd=root,
+            env=env,
+        )
+    assert caller.stdout is not None
+    line = ""
+    while not line.startswith("@@engine"):  # vLLM's log comes first
+        line = caller.stdout.readline()
+        assert line, (tmp_path / "stderr.txt").read_text()[-3000:]
+    report = json.loads(line.removeprefix("@@engine"))
+    try:
+        assert len(report["pids"]) == 2 and report["shm"]
+        caller.kill()
+        caller.wait(10)
+        deadline = time.monotonic() + 30
+        while live(report["pids"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live(report["pids"]) == [], "the engine outlived its caller"
+        psm = [n for n in report["shm"] if n.startswith("psm_")]
+        assert psm and [n for n in psm if (Path("/dev/shm") / n).exists()] == []
+    finally:
+        caller.kill()
+        for pid in live(report["pids"]):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
 
 
 # -- probe faults and the results store (the shared in-process engine) ---------------------------

@@ -573,7 +573,7 @@ def _reflow(markdown: str) -> str:
     paragraphs = markdown.split("\n\n")
     for i, para in enumerate(paragraphs):
         if para.strip() and not para.lstrip().startswith(("|", "#", "- ", "`")):
-            paragraphs[i] = textwrap.fill(" ".join(para.split()), width=100)
+            paragraphs[i] = textwrap.fill(" ".join(para.split()), width=100, break_on_hyphens=False)
     return "\n\n".join(p.strip("\n") for p in paragraphs) + "\n"
 
 

@@ -33,6 +33,7 @@ import functools
 import gc
 import time
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,21 @@ def _collect_before_exit() -> None:
     second shutdown fails on torn-down modules ("Exception ignored in AsyncLLM.__del__").
     Collecting at ``atexit`` (before modules are torn down) avoids it. Registered once."""
     atexit.register(gc.collect)
+
+
+def _close_engine(engine: Any, supervisor: EngineSupervisor | None) -> None:
+    """Shut vLLM's ``AsyncLLM`` down and leave none of its processes or shared memory: from
+    ``AsyncHookedLLM.close``, or from its finalizer (collected, or at interpreter exit, unclosed:
+    vLLM's own exit path would force-kill the engine core after 5 s, with a warning)."""
+    try:
+        if supervisor is not None:
+            supervisor.wake_waiters()  # running streams and pops: nothing will feed them
+            supervisor.closing()
+        engine.shutdown(timeout=SHUTDOWN_TIMEOUT_S)  # let its processes exit on their own
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+    _collect_before_exit()
 
 
 class ResultPopper:
@@ -165,6 +181,7 @@ class AsyncHookedLLM:
         self._max_model_len = engine.model_config.max_model_len
         self.popper = ResultPopper(self._rpc)
         self._supervisor: EngineSupervisor | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @classmethod
     async def create(
@@ -189,6 +206,7 @@ class AsyncHookedLLM:
         self.loop = asyncio.get_running_loop()
         try:
             self._supervisor = EngineSupervisor(self._engine, loop=self.loop)
+            self._finalizer = weakref.finalize(self, _close_engine, engine, self._supervisor)
             await self._install(probe_heads)
         except BaseException:
             self.close()
@@ -459,17 +477,11 @@ class AsyncHookedLLM:
         engine, self._engine = self._engine, None
         if engine is None:
             return
-        supervisor = self._supervisor
-        try:
-            if supervisor is not None:
-                supervisor.wake_waiters()  # running streams and pops: nothing will feed them
-                supervisor.closing()
-            engine.shutdown(timeout=SHUTDOWN_TIMEOUT_S)  # let its processes exit on their own
-        finally:
-            if supervisor is not None:
-                supervisor.stop()
+        if self._finalizer is not None and self._finalizer.alive:
+            self._finalizer()  # _close_engine(engine, supervisor), once
+        else:
+            _close_engine(engine, self._supervisor)
         del engine
-        _collect_before_exit()
 
     async def __aenter__(self) -> AsyncHookedLLM:
         return self

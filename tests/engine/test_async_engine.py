@@ -475,3 +475,55 @@ def test_close_under_running_streams_leaves_nothing_and_prints_no_warning(
     assert live(report["pids"]) == []
     assert [name for name in report["shm"] if (SHM / name).exists()] == []
     assert _left_behind(set(report["shm_before"]), report["pids"]) == set()
+
+
+_UNCLOSED_SCRIPT = """
+import asyncio, json, sys
+sys.path.insert(0, {root!r})
+from tests.helpers import shm_mapped, start_async_engine
+
+async def main():
+    engine = await start_async_engine({model!r})
+    pids = engine.engine_pids
+    report = {{"pids": pids, "shm": sorted(shm_mapped(pids))}}
+    print("@@report", json.dumps(report), flush=True)
+    print("@@close", flush=True)
+    print("@@close", file=sys.stderr, flush=True)
+
+if __name__ == "__main__":
+    asyncio.run(main())  # the engine is never closed: the interpreter exits with it running
+"""
+
+
+def test_an_engine_nobody_closed_is_closed_at_interpreter_exit(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's own exit path for an ``AsyncLLM`` left running force-kills its engine core after
+    5 s, with a warning; the engine's finalizer closes it as ``close()`` does instead."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import TROUBLE
+
+    root = str(Path(__file__).resolve().parents[2])
+    script = tmp_path / "unclosed_async_engine.py"
+    script.write_text(_UNCLOSED_SCRIPT.format(root=root, model=str(tiny_llama_dir)))
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "VLLM_HOST_IP": "127.0.0.1"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    command = [sys.executable, str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("@@report ")]
+    report = json.loads(line.removeprefix("@@report "))
+    trouble = [
+        x
+        for stream in (done.stdout, done.stderr)
+        for x in stream.split("@@close", 1)[1].splitlines()
+        if TROUBLE.search(x)
+    ]
+    assert len(report["pids"]) == 2 and report["shm"]
+    assert trouble == [], "\n".join(trouble)
+    assert "[shutdown] MPClient: complete" in done.stdout  # vLLM's own shutdown, to its end
+    assert live(report["pids"]) == []
+    assert [name for name in report["shm"] if (SHM / name).exists()] == []

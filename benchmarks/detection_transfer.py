@@ -20,7 +20,8 @@ Evaluations (none of them tunes anything on the rows it reports):
 Per source and layout: AUROC, TPR at 1 % FPR, and at the threshold the fit sets (the lowest of
 the calibration sources' 1 %-FPR thresholds, on out-of-fold scores) the share of clean rows
 flagged and of injections caught. Writes benchmarks/results/transfer_smollm2.json, a markdown
-table, ROC PNGs under docs/img/, and the combined config fitted on the whole pool.
+table, ROC PNGs under docs/img/, and the combined config fitted on the whole pool (shipped as
+model_configs/SmolLM2-135M-Instruct.combined.json, the model's "combined" variant).
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 python benchmarks/detection_transfer.py \
         --cache /tmp/transfer_scores.npz
@@ -515,7 +516,8 @@ def main() -> None:
     if MODEL is not None:
         return
     config = shipped_config(report, Data(kept, table))
-    path = args.out / "transfer_combined_config.json"
+    # shipped as the "combined" variant: GuardedLLM(probe_config="combined")
+    path = ROOT / "model_configs" / "SmolLM2-135M-Instruct.combined.json"
     path.write_text(json.dumps(config.model_dump(mode="json"), indent=1) + "\n")
     parts = [(p.layer, len(p.dims)) for p in config.hidden or []]
     print(f"wrote {path}: {len(config.heads)} heads, hidden {parts}, threshold {config.threshold}")

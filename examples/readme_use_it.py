@@ -42,7 +42,9 @@ def use_it(model: str | None = None, probe_config: str | None = None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description='The README\'s "Use it" example')
     parser.add_argument("--model", default=None, help="model dir or id (default: embedded)")
-    parser.add_argument("--probe-config", default=None, help="probe config JSON for the model")
+    parser.add_argument(
+        "--probe-config", default=None, help="probe config JSON, or a shipped variant: combined"
+    )
     parser.add_argument("--verbose", action="store_true", help="show vLLM's own logs too")
     args = parser.parse_args()
     from guardrail.console import quiet_engine_logs

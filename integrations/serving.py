@@ -520,7 +520,11 @@ def build_parser() -> Any:
         "SmolLM2-135M-Instruct)",
     )
     own = parser.add_argument_group("guardrail-serve")
-    own.add_argument("--probe-config", default=None, help="the model's probe config (JSON)")
+    own.add_argument(
+        "--probe-config",
+        default=None,
+        help="the model's probe config: a JSON file, or a shipped variant (e.g. combined)",
+    )
     own.add_argument("--threshold", type=float, default=None, help="block at or below")
     own.add_argument("--host", default="127.0.0.1")
     own.add_argument("--port", type=int, default=8000)

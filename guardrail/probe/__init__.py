@@ -15,6 +15,7 @@ from guardrail.probe.config import (
     packaged_model_configs,
     read_model_config,
     resolve_config,
+    shipped_variants,
 )
 from guardrail.probe.prompts import (
     GuardedPrompt,
@@ -42,4 +43,5 @@ __all__ = [
     "prepare_prompt",
     "read_model_config",
     "resolve_config",
+    "shipped_variants",
 ]

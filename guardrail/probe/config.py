@@ -55,6 +55,7 @@ __all__ = [
     "read_json_file",
     "read_model_config",
     "resolve_config",
+    "shipped_variants",
 ]
 
 ProbeKind = Literal["mean_focus", "logistic"]
@@ -409,7 +410,33 @@ def model_id_matches(model_id: str, model: str) -> bool:
     return bool(name) and name.startswith(model_id.split("/")[-1].lower())
 
 
-def _packaged_configs() -> list[Path]:
+def _packaged_configs(variant: str | None = None) -> list[Path]:
+    """The shipped config files: ``<model>.json`` (the default for a model) or, with
+    ``variant``, ``<model>.<variant>.json``."""
+    root = resources.files("guardrail.model_configs")
+    files = [Path(str(p)) for p in root.iterdir() if p.name.endswith(".json")]
+    return sorted(p for p in files if _variant_of(p) == variant)
+
+
+def _variant_of(path: Path) -> str | None:
+    parts = path.name.removesuffix(".json").rsplit(".", 1)
+    return parts[1] if len(parts) == 2 and parts[1].isidentifier() else None
+
+
+def shipped_variants(model: str) -> list[str]:
+    """The names of the shipped config variants for ``model`` besides its default one (e.g.
+    ``["combined"]`` for the embedded SmolLM2: the attention + hidden-state probe)."""
+    names = set()
+    for path in _packaged_configs_all():
+        variant = _variant_of(path)
+        if variant is not None:
+            model_id = read_model_config(path).model_id
+            if model == model_id or model_id_matches(model_id, model):
+                names.add(variant)
+    return sorted(names)
+
+
+def _packaged_configs_all() -> list[Path]:
     root = resources.files("guardrail.model_configs")
     return sorted(Path(str(p)) for p in root.iterdir() if p.name.endswith(".json"))
 
@@ -429,24 +456,32 @@ def read_model_config(path: str | Path) -> ModelProbeConfig:
         raise ConfigError(f"invalid model config {path}: {detail}") from exc
 
 
-def packaged_model_configs() -> dict[str, ModelProbeConfig]:
-    """Every config shipped in ``guardrail.model_configs``, keyed by model id."""
-    configs = (read_model_config(p) for p in _packaged_configs())
+def packaged_model_configs(variant: str | None = None) -> dict[str, ModelProbeConfig]:
+    """Every config shipped in ``guardrail.model_configs`` (the default ones, or those of
+    ``variant``), keyed by model id."""
+    configs = (read_model_config(p) for p in _packaged_configs(variant))
     return {c.model_id: c for c in configs}
 
 
-def load_model_config(model: str) -> ModelProbeConfig:
-    """The shipped config for a model id, or for a local model directory named like one.
+def load_model_config(model: str, variant: str | None = None) -> ModelProbeConfig:
+    """The shipped config for a model id, or for a local model directory named like one;
+    ``variant`` picks a shipped variant instead of the default (``shipped_variants``).
 
     A directory matches a config when its name starts with the last part of the model id
     (``.../SmolLM2-135M-Instruct-f32`` matches ``HuggingFaceTB/SmolLM2-135M-Instruct``).
     """
-    configs = packaged_model_configs()
+    configs = packaged_model_configs(variant)
     if model in configs:
         return configs[model]
     matches = [c for mid, c in configs.items() if model_id_matches(mid, model)]
     if len(matches) == 1:
         return matches[0]
+    if variant is not None:
+        raise ModelConfigNotFoundError(
+            f"no shipped probe config variant {variant!r} for model {model!r}; its variants: "
+            f"{shipped_variants(model) or 'none'}. probe_config also takes a JSON path or a "
+            "ModelProbeConfig."
+        )
     raise ModelConfigNotFoundError(
         f"no probe config for model {model!r}; shipped configs: {sorted(configs)}. Pass "
         "probe_config=... (a ModelProbeConfig or a JSON path), or make one for this model with "
@@ -457,8 +492,9 @@ def load_model_config(model: str) -> ModelProbeConfig:
 def resolve_config(
     model: str, probe_config: ModelProbeConfig | str | Path | None
 ) -> ModelProbeConfig:
-    """The probe config to use: the object given, the file given, or the shipped one for
-    ``model``.
+    """The probe config to use: the object given, the file given, the shipped variant named
+    (a name without a path separator or ``.json``, e.g. ``"combined"``), or the shipped
+    default for ``model``.
 
     Example:
         >>> resolve_config("any", ModelProbeConfig(model_id="m", heads=[(0, 1)])).model_id
@@ -466,6 +502,12 @@ def resolve_config(
     """
     if isinstance(probe_config, ModelProbeConfig):
         return probe_config
+    if isinstance(probe_config, str) and _is_variant_name(probe_config):
+        return load_model_config(model, probe_config)
     if probe_config is not None:
         return read_model_config(probe_config)
     return load_model_config(model)
+
+
+def _is_variant_name(name: str) -> bool:
+    return name.isidentifier() and not Path(name).exists()

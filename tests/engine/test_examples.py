@@ -141,6 +141,21 @@ def test_readme_use_it_on_the_embedded_model() -> None:
     assert text.strip()
 
 
+@pytest.mark.slow
+def test_readme_use_it_with_the_shipped_combined_variant() -> None:
+    """``probe_config="combined"`` loads the shipped variant by name and runs it on the embedded
+    model (hidden-state read-out and all); the scores are those docs/detection.md reports for
+    the README's emails: benign 0.996, injected 0.872 (allowed: the variant's known miss)."""
+    from guardrail.probe.config import load_model_config
+
+    lines = use_it_lines(run_example("readme_use_it.py", "--probe-config", "combined"))
+    ((benign, benign_focus, _), (injected, injected_focus, _)) = lines
+    threshold = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct", "combined").threshold
+    assert threshold is not None
+    assert abs(benign_focus - 0.996) <= 0.002 and abs(injected_focus - 0.872) <= 0.002, lines
+    assert [benign, injected] == [tiered(f, threshold) for f in (benign_focus, injected_focus)]
+
+
 # -- the quickstart (scripts/demo.sh) ----------------------------------------------------------
 
 QUICK_LINE = re.compile(r"^\[(allow|flag|block)\s*\] focus=(\S+) (.*)$", re.MULTILINE)

@@ -15,22 +15,26 @@ from guardrail.probe.config import (
     MAX_CONFIG_BYTES,
     MAX_JSON_DEPTH,
     ModelProbeConfig,
-    _packaged_configs,
+    _packaged_configs_all,
     load_model_config,
     model_id_matches,
     packaged_model_configs,
     read_model_config,
+    resolve_config,
+    shipped_variants,
 )
 
 
-@pytest.mark.parametrize("path", _packaged_configs(), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", _packaged_configs_all(), ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_fits_its_model(path):
     cfg = read_model_config(path)
     assert cfg.heads and cfg.num_layers and cfg.num_heads
     cfg.check_fits(cfg.num_layers, cfg.num_heads)
     facts = {"num_layers": cfg.num_layers, "num_heads": cfg.num_heads}
     assert cfg.check_model(cfg.model_id, facts) == []
-    assert path.name == cfg.model_id.split("/")[-1] + ".json"
+    stem = cfg.model_id.split("/")[-1]  # <model>.json, or <model>.<variant>.json
+    names = [f"{stem}.json"] + [f"{stem}.{v}.json" for v in shipped_variants(cfg.model_id)]
+    assert path.name in names
 
 
 def test_the_six_published_models_are_shipped():
@@ -51,6 +55,26 @@ def test_lookup_by_id_and_by_local_directory_name():
     assert load_model_config("/models/Qwen2-1.5B-Instruct").model_id == "Qwen/Qwen2-1.5B-Instruct"
     with pytest.raises(ModelConfigNotFoundError, match="guardrail calibrate"):
         load_model_config("/models/some-other-model")
+
+
+def test_a_shipped_variant_is_chosen_by_name_and_never_by_default(tmp_path, monkeypatch):
+    smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert shipped_variants(smol) == ["combined"]
+    assert shipped_variants("/models/SmolLM2-135M-Instruct-f32") == ["combined"]
+    assert shipped_variants("Qwen/Qwen2-1.5B-Instruct") == []
+    default, combined = resolve_config(smol, None), resolve_config(smol, "combined")
+    assert default.hidden is None and default == load_model_config(smol)
+    assert combined.model_id == smol and [p.layer for p in combined.hidden or []] == [15, 18]
+    assert combined.probe == "logistic" and combined.threshold is not None
+    assert packaged_model_configs()[smol] == default  # the variant never replaces the default
+    with pytest.raises(ModelConfigNotFoundError, match=r"variant 'combined'.*its variants: none"):
+        resolve_config("Qwen/Qwen2-1.5B-Instruct", "combined")
+    with pytest.raises(ModelConfigNotFoundError, match=r"its variants: \['combined'\]"):
+        resolve_config(smol, "attention_only")
+    # a file of that name in the working directory is a path, not a variant
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "combined").write_text(default.model_dump_json())
+    assert resolve_config(smol, "combined") == default
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,10 @@ def _stop_when_parent_exits(parent: int) -> None:
     with contextlib.suppress(OSError, AttributeError):  # no pidfd: old kernel, not Linux
         pidfd = os.pidfd_open(parent)
     if pidfd is not None and os.getppid() == parent:  # still ours once the fd is open
-        select.select([pidfd], [], [])  # readable when the parent exits
+        waiter = select.poll()  # (poll: no FD_SETSIZE limit on the fd number, unlike select)
+        waiter.register(pidfd, select.POLLIN)
+        while not waiter.poll():  # readable when the parent exits
+            pass
     else:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)

@@ -252,37 +252,53 @@ def shm_mapped(pids: Sequence[int] | None) -> set[str]:
     return names
 
 
-def run_close_script(script: Path, model_dir: Path) -> tuple[dict[str, Any], list[str], str]:
-    """Run a script that starts an engine on ``model_dir``, prints ``@@close`` just before
-    closing it and a JSON report as its last stdout line; return (report, the lines after
-    ``@@close`` that report trouble, stdout)."""
-    import json
-    import subprocess
-    import sys
+ROOT = Path(__file__).resolve().parents[1]
 
-    root = str(Path(__file__).resolve().parents[1])
+
+def engine_script_env() -> dict[str, str]:
+    """The environment a script that starts an engine runs in (see ``run_engine_script``)."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "VLLM_HOST_IP": "127.0.0.1"}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     # The engine core's own grace for its worker's exit (vLLM's, read from the environment
     # inside the engine core; the library sets no variable): on a loaded machine the worker's
     # exit can take longer than vLLM's default 5 s, which warns. docs/startup.md, "Closing".
     env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = "60"
+    return env
+
+
+def run_engine_script(script: Path) -> Any:
+    """Run a script that starts an engine, from the repo root, to its end; it must exit 0.
+    Returns the ``subprocess.CompletedProcess`` (text stdout and stderr)."""
+    import subprocess
+    import sys
+
     done = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=900,
-        cwd=root,
-        env=env,
+        cwd=ROOT,
+        env=engine_script_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def run_close_script(script: Path) -> tuple[dict[str, Any], list[str], str]:
+    """Run a script that starts an engine, prints ``@@close`` (on stdout and stderr) just before
+    closing it (or leaving it to interpreter exit) and a JSON report on a line of its own after
+    ``@@report ``; return (report, the lines after ``@@close`` that report trouble, stdout)."""
+    import json
+
+    done = run_engine_script(script)
     trouble = [
         line
         for stream in (done.stdout, done.stderr)
         for line in stream.split("@@close", 1)[1].splitlines()
         if TROUBLE.search(line)
     ]
-    return json.loads(done.stdout.splitlines()[-1]), trouble, done.stdout
+    (report,) = [x for x in done.stdout.splitlines() if x.startswith("@@report ")]
+    return json.loads(report.removeprefix("@@report ")), trouble, done.stdout
 
 
 # -- prompts and vectors shared by engine tests -----------------------------------------------

@@ -447,7 +447,7 @@ async def main():
             if p.pid in pids and p.status() != psutil.STATUS_ZOMBIE]
     report = {{"pids": pids, "shm": shm, "left": left, "streams": streams,
                "close_s": close_s, "shm_before": shm_before}}
-    print(json.dumps(report), flush=True)
+    print("@@report", json.dumps(report), flush=True)
 
 if __name__ == "__main__":
     asyncio.run(main())
@@ -464,7 +464,7 @@ def test_close_under_running_streams_leaves_nothing_and_prints_no_warning(
     root = str(Path(__file__).resolve().parents[2])
     script = tmp_path / "close_async_engine.py"
     script.write_text(_CLOSE_SCRIPT.format(root=root, model=str(tiny_llama_dir)))
-    report, after_close, stdout = run_close_script(script, tiny_llama_dir)
+    report, after_close, stdout = run_close_script(script)
     print(f"close() under {len(report['streams'])} streams took {report['close_s']:.2f} s")
     assert len(report["pids"]) == 2 and report["shm"]
     assert [outcome for outcome, _ in report["streams"]] == ["EngineClosedError"] * 4
@@ -500,30 +500,12 @@ def test_an_engine_nobody_closed_is_closed_at_interpreter_exit(
 ) -> None:
     """vLLM's own exit path for an ``AsyncLLM`` left running force-kills its engine core after
     5 s, with a warning; the engine's finalizer closes it as ``close()`` does instead."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.helpers import TROUBLE
-
     root = str(Path(__file__).resolve().parents[2])
     script = tmp_path / "unclosed_async_engine.py"
     script.write_text(_UNCLOSED_SCRIPT.format(root=root, model=str(tiny_llama_dir)))
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "VLLM_HOST_IP": "127.0.0.1"}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    command = [sys.executable, str(script)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [x for x in done.stdout.splitlines() if x.startswith("@@report ")]
-    report = json.loads(line.removeprefix("@@report "))
-    trouble = [
-        x
-        for stream in (done.stdout, done.stderr)
-        for x in stream.split("@@close", 1)[1].splitlines()
-        if TROUBLE.search(x)
-    ]
+    report, trouble, stdout = run_close_script(script)
     assert len(report["pids"]) == 2 and report["shm"]
     assert trouble == [], "\n".join(trouble)
-    assert "[shutdown] MPClient: complete" in done.stdout  # vLLM's own shutdown, to its end
+    assert "[shutdown] MPClient: complete" in stdout  # vLLM's own shutdown, to its end
     assert live(report["pids"]) == []
     assert [name for name in report["shm"] if (SHM / name).exists()] == []

@@ -42,8 +42,10 @@ from guardrail.policy import FailureMode
 from tests.helpers import (
     FILLER,
     engine_processes,
+    engine_script_env,
     live,
     run_close_script,
+    run_engine_script,
     shm_mapped,
     start_engine,
 )
@@ -203,15 +205,7 @@ def test_engines_are_closed_when_their_start_fails_and_at_interpreter_exit(
     root = str(Path(__file__).resolve().parents[2])
     script = tmp_path / "leave_engine_open.py"
     script.write_text(_EXIT_SCRIPT.format(root=root, model=str(tiny_llama_dir)))
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=root,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_engine_script(script)
     line = next(x for x in done.stdout.splitlines() if x.startswith('{"failed"'))
     report = json.loads(line)
     assert report["failed"] == "HeadsDoNotFitModelError"
@@ -264,7 +258,7 @@ if __name__ == "__main__":
             if p.pid in pids and p.status() != psutil.STATUS_ZOMBIE]
     report = {{"pids": pids, "shm": shm, "left": left, "scored": out.probe.focus is not None,
               "fast_exit": fast_exit, "left_for_supervisor": left_for_supervisor}}
-    print(json.dumps(report), flush=True)
+    print("@@report", json.dumps(report), flush=True)
 """
 
 
@@ -277,7 +271,7 @@ def test_close_stops_the_engine_cleanly_leaving_nothing_and_printing_no_warning(
     root = str(Path(__file__).resolve().parents[2])
     script = tmp_path / "close_engine.py"
     script.write_text(_CLOSE_SCRIPT.format(root=root, model=str(tiny_llama_dir)))
-    report, after_close, stdout = run_close_script(script, tiny_llama_dir)
+    report, after_close, stdout = run_close_script(script)
     assert report["scored"] and len(report["pids"]) == 2 and report["shm"]
     assert report["left"] == []  # gone when close() returned
     # the engine's processes (not this one) exit with their heap frozen, and still unlink their
@@ -315,7 +309,6 @@ def test_an_engine_whose_caller_is_killed_stops_and_frees_its_shared_memory(
     root = str(Path(__file__).resolve().parents[2])
     script = tmp_path / "orphan_engine.py"
     script.write_text(_ORPHAN_SCRIPT.format(root=root, model=str(tiny_llama_dir)))
-    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     with (tmp_path / "stderr.txt").open("w") as stderr:
         caller = subprocess.Popen(
             [sys.executable, str(script)],
@@ -323,7 +316,7 @@ def test_an_engine_whose_caller_is_killed_stops_and_frees_its_shared_memory(
             stderr=stderr,
             text=True,
             cwd=root,
-            env=env,
+            env=engine_script_env(),
         )
     assert caller.stdout is not None
     line = ""

@@ -37,18 +37,15 @@ HIDDEN_LAYERS = [15, 18]
 
 
 def _logit(focus: np.ndarray) -> np.ndarray:
+    """The inverse of ``guardrail.offline.combined.focus_from_logit``."""
     f = np.clip(focus, 1e-12, 1 - 1e-12)
     return np.log((1 - f) / f)
-
-
-def _focus(logit: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(np.clip(logit, -50, 50)))
 
 
 def per_layout_offsets(data: Any, pool: np.ndarray, model: dict[str, Any]) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    from guardrail.offline.combined import worst_source_threshold
+    from guardrail.offline.combined import focus_from_logit, worst_source_threshold
 
     oof = _logit(model["fit"].oof_focus)
     labels, layouts = data.labels[pool], data.layout[pool]
@@ -62,7 +59,7 @@ def per_layout_offsets(data: Any, pool: np.ndarray, model: dict[str, Any]) -> di
                 offsets[lay] = float(np.quantile(oof[clean & (layouts == lay)], q)) - ref
         shifted = oof - np.array([offsets[lay] for lay in layouts])
         threshold, _ = worst_source_threshold(
-            _focus(shifted), labels, data.corpus[pool].tolist(), dt.TARGET_FPR
+            focus_from_logit(shifted), labels, data.corpus[pool].tolist(), dt.TARGET_FPR
         )
         entry: dict[str, Any] = {
             "offsets": {k: round(v, 3) for k, v in offsets.items()},
@@ -72,7 +69,7 @@ def per_layout_offsets(data: Any, pool: np.ndarray, model: dict[str, Any]) -> di
             index = np.flatnonzero(data.corpus == corpus)
             logit = _logit(dt.focus_for(data, "combined", model, index))
             logit -= np.array([offsets.get(lay, 0.0) for lay in data.layout[index]])
-            entry[corpus] = dt.measure(data.labels[index], _focus(logit), threshold)
+            entry[corpus] = dt.measure(data.labels[index], focus_from_logit(logit), threshold)
         report[name] = entry
     return report
 

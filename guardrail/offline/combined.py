@@ -43,6 +43,7 @@ __all__ = [
     "combined_focus",
     "feature_matrix",
     "fit_combined",
+    "focus_from_logit",
     "worst_source_threshold",
 ]
 
@@ -96,7 +97,8 @@ def _oof_logit(x: np.ndarray, y: np.ndarray, folds: np.ndarray, c: float) -> np.
     return logit
 
 
-def _focus(logit: np.ndarray) -> np.ndarray:
+def focus_from_logit(logit: np.ndarray) -> np.ndarray:
+    """Focus (high = trusted) from the probe's injection logit: 1 - sigmoid(logit)."""
     return 1.0 - 1.0 / (1.0 + np.exp(-np.clip(logit, -50, 50)))
 
 
@@ -158,7 +160,7 @@ def fit_combined(
         feature=feature,
         c=c,
         cv_auroc=float(cv_auroc),
-        oof_focus=_focus(oof_logit),
+        oof_focus=focus_from_logit(oof_logit),
     )
 
 
@@ -177,7 +179,7 @@ def combined_focus(
     for part in fit.hidden:
         x = np.asarray(hidden[part.layer], dtype=np.float64)[:, part.dims]
         logit = logit + ((x - part.mean) / np.asarray(part.scale)) @ np.asarray(part.weights)
-    return _focus(logit)
+    return focus_from_logit(logit)
 
 
 def worst_source_threshold(

@@ -413,9 +413,7 @@ def model_id_matches(model_id: str, model: str) -> bool:
 def _packaged_configs(variant: str | None = None) -> list[Path]:
     """The shipped config files: ``<model>.json`` (the default for a model) or, with
     ``variant``, ``<model>.<variant>.json``."""
-    root = resources.files("guardrail.model_configs")
-    files = [Path(str(p)) for p in root.iterdir() if p.name.endswith(".json")]
-    return sorted(p for p in files if _variant_of(p) == variant)
+    return [p for p in _packaged_configs_all() if _variant_of(p) == variant]
 
 
 def _variant_of(path: Path) -> str | None:

@@ -269,16 +269,28 @@ def choose_hidden_layers(data: Data, pool: np.ndarray) -> tuple[list[int], dict[
     return sorted(best), scores
 
 
-def evaluate_all(rows: Sequence[LabelledPair], table: Any) -> dict[str, Any]:
+def evaluate_all(
+    rows: Sequence[LabelledPair],
+    table: Any,
+    layers: Sequence[int] | None = None,
+    kinds: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Every evaluation of the module docstring. ``layers``: the hidden layers (keys of
+    ``table.hidden``) the fitted kinds read; None chooses them on the calibration pool.
+    ``kinds``: the probe kinds measured (default ``KINDS``)."""
     from tqdm.auto import tqdm
 
     from guardrail.probe.config import load_model_config
 
+    kinds = list(kinds or KINDS)
     data = Data(rows, table)
     pool = np.flatnonzero(data.role == "calibration")
-    layers, layer_scores = choose_hidden_layers(data, pool)
+    if layers is None:
+        layers, layer_scores = choose_hidden_layers(data, pool)
+    else:
+        layers, layer_scores = list(layers), {}
     shipped: dict[str, Any] = {}
-    if "shipped" in KINDS:
+    if "shipped" in kinds:
         shipped["config"] = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")
         shipped["threshold"] = shipped["config"].threshold
     report: dict[str, Any] = {
@@ -299,7 +311,7 @@ def evaluate_all(rows: Sequence[LabelledPair], table: Any) -> dict[str, Any]:
     }
     # fitted on the whole calibration pool: in-distribution and independent test sets
     models = {"shipped": shipped} if shipped else {}
-    for kind in tqdm([k for k in KINDS if k != "shipped"], desc="fit on the pool", unit="kind"):
+    for kind in tqdm([k for k in kinds if k != "shipped"], desc="fit on the pool", unit="kind"):
         models[kind] = fit_kind(data, kind, pool, layers)
     for kind, model in models.items():
         threshold = model["threshold"]
@@ -333,7 +345,7 @@ def evaluate_all(rows: Sequence[LabelledPair], table: Any) -> dict[str, Any]:
         train = np.flatnonzero((data.role == "calibration") & ~np.isin(data.corpus, left_out))
         test = np.flatnonzero(data.corpus == corpus)
         per_kind: dict[str, Any] = {}
-        for kind in KINDS:
+        for kind in kinds:
             model = shipped if kind == "shipped" else fit_kind(data, kind, train, layers)
             focus = focus_for(data, kind, model, test)
             result = {"all": measure(data.labels[test], focus, model["threshold"])}

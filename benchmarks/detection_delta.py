@@ -1,0 +1,164 @@
+"""The TaskTracker-style delta on SmolLM2: does the change of the residual stream across the
+untrusted data add anything to the combined probe?
+
+TaskTracker (Abdelnabi et al.) reads the stream twice: at the end of what the model read before
+the data (the "primary task") and at the last token after it, and classifies the difference.
+Here, on the rows and prompt layouts of ``detection_transfer.py``, the hidden part of the probe
+reads one of:
+
+- ``last``: the stream at the last prompt token (what the shipped combined config reads);
+- ``delta``: last minus the stream at the anchor, the token just before the first data segment
+  (the end of the instruction and the template tokens that open the data);
+- ``delta_instruction``: last minus the stream at the last instruction token before the data;
+- ``last+delta``: both, in one sparse model.
+
+Everything else is the transfer benchmark's: same calibration pool, layers 15 and 18, attention
+stats of the same heads, same fits, same thresholds, leave-one-source-out and the held-out sets.
+
+The serving probe reads the last prompt token only, so this script gets both positions from
+Hugging Face (eager attention, float32) on the very token ids the engine scores
+(``prepare_prompt``), and checks its last-token stream against the serving probe's cached one
+(printed: max abs difference). About 45 min on 2 cores for the ~4,300 rows (cached in
+``--states``). Needs the transfer benchmark's score cache:
+
+    python benchmarks/detection_delta.py --cache /tmp/transfer_scores.npz \\
+        --states /tmp/delta_states.npz
+
+Writes benchmarks/results/delta_smollm2.json and .md (docs/detection.md quotes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import detection_transfer as dt  # type: ignore[import-not-found]
+import numpy as np
+
+LAYERS = [15, 18]
+"""The layers the transfer benchmark chose on the calibration pool (transfer_smollm2.json)."""
+VARIANTS = ("last", "delta", "delta_instruction", "last+delta")
+KINDS = ("hidden", "combined")
+
+
+def anchors(prepared: Any) -> tuple[int, int]:
+    """(token before the first data span, last instruction token before it)."""
+    first = prepared.data_spans[0][0]
+    before = [hi for _, hi in prepared.instruction_spans if hi <= first]
+    return first - 1, (before[-1] - 1) if before else first - 1
+
+
+def extract(rows: list[Any], table: Any, out: Path) -> None:
+    """The stream at both anchors and at the last token of every row, with HF eager."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from guardrail.embedded import embedded_model_path
+    from guardrail.offline.layouts import request_for
+    from guardrail.probe.prompts import prepare_prompt
+
+    path = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, torch_dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    base = model.model
+    base.layers = base.layers[: max(LAYERS) + 1]  # nothing above is read
+    streams: dict[str, list[np.ndarray]] = {
+        f"{what}_{layer}": [] for what in ("anchor", "anchori", "last") for layer in LAYERS
+    }
+    worst = 0.0
+    for i, row in enumerate(tqdm(rows, desc="HF streams", unit="row")):
+        prepared = prepare_prompt(request_for(row), tokenizer)
+        anchor, instruction = anchors(prepared)
+        with torch.no_grad():
+            hidden = base(torch.tensor([prepared.token_ids]), output_hidden_states=True)
+        for layer in LAYERS:
+            h = hidden.hidden_states[layer + 1][0]  # [0] is the embeddings
+            streams[f"anchor_{layer}"].append(h[anchor].numpy())
+            streams[f"anchori_{layer}"].append(h[instruction].numpy())
+            streams[f"last_{layer}"].append(h[-1].numpy())
+            worst = max(worst, float(np.abs(h[-1].numpy() - table.hidden[layer][i]).max()))
+    print(f"last-token stream, HF vs the serving probe: max abs difference {worst:.2e}")
+    arrays = {k: np.stack(v) for k, v in streams.items()}
+    np.savez(out, keys=np.array([r.id for r in rows]), parity=np.array(worst), **arrays)
+
+
+def hidden_for(variant: str, states: Any) -> dict[int, np.ndarray]:
+    """The hidden part's inputs, keyed like layers (1000 + layer: a delta of that layer)."""
+    last = {layer: states[f"last_{layer}"] for layer in LAYERS}
+    delta = {1000 + layer: last[layer] - states[f"anchor_{layer}"] for layer in LAYERS}
+    delta_instruction = {1000 + lay: last[lay] - states[f"anchori_{lay}"] for lay in LAYERS}
+    return {
+        "last": last,
+        "delta": delta,
+        "delta_instruction": delta_instruction,
+        "last+delta": {**last, **delta},
+    }[variant]
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        entry = {c: report["full_pool"][kind][c]["all"] for c in dt.TEST_SOURCES}
+        entry.update({f"{c} left out": v[kind]["all"] for c, v in report["loso"].items()})
+        out[kind] = entry
+    return out
+
+
+def markdown(results: dict[str, Any], parity: float) -> str:
+    out = [
+        "# The TaskTracker-style delta, smollm2\n",
+        f"Hidden part read at layers {LAYERS}; attention stats of the transfer benchmark's heads; "
+        "same pool, fits and thresholds as transfer_smollm2.md. Streams from Hugging Face eager "
+        f"on the engine's token ids (last-token stream vs the serving probe: max abs "
+        f"{parity:.1e}). Cells: AUROC / share of clean rows flagged / share of injections "
+        "caught at the fit's threshold.\n",
+    ]
+    for kind in KINDS:
+        sources = list(results[VARIANTS[0]][kind])
+        out.append(f"## {kind}\n")
+        out.append("| | " + " | ".join(sources) + " |\n|---|" + "---|" * len(sources))
+        for variant in VARIANTS:
+            cells = [
+                f"{m['auroc']:.3f} / {m['flagged_clean']:.3f} / {m['caught']:.2f}"
+                for m in (results[variant][kind][s] for s in sources)
+            ]
+            out.append(f"| {variant} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/transfer_scores.npz"))
+    parser.add_argument("--states", type=Path, default=Path("/tmp/delta_states.npz"))
+    parser.add_argument("--out", type=Path, default=dt.ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    if not args.cache.exists():
+        raise SystemExit(f"{args.cache}: run benchmarks/detection_transfer.py first")
+    kept, table = dt.score(dt.load_rows(), args.cache, 32)
+    if not args.states.exists():
+        extract(kept, table, args.states)
+    states = np.load(args.states)
+    if list(states["keys"]) != [r.id for r in kept]:
+        raise SystemExit(f"{args.states} holds other rows: delete it to extract again")
+    parity = float(states["parity"]) if "parity" in states.files else float("nan")
+    results = {}
+    for variant in VARIANTS:
+        print(f"variant {variant}")
+        table.hidden = hidden_for(variant, states)
+        layers = sorted(table.hidden)
+        results[variant] = summary(dt.evaluate_all(kept, table, layers=layers, kinds=KINDS))
+    args.out.mkdir(parents=True, exist_ok=True)
+    doc = {"layers": LAYERS, "parity_max_abs": parity, "results": results}
+    (args.out / "delta_smollm2.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (args.out / "delta_smollm2.md").write_text(markdown(results, parity))
+    print((args.out / "delta_smollm2.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,10 @@
    stays far from the goal, the features the model computes do not separate these requests, and
    more calibration data like them would not either. AgentDojo is reserved as a held-out set and
    is never fitted on, not even for this.
+3. Is there a threshold that holds on clean traffic of every source? Both shipped configs (the
+   attention-only default and the combined variant fitted on the whole pool) at a sweep of
+   thresholds: the share of clean rows flagged and of injections caught, per source (the
+   calibration sources in sample, the test sets held out).
 
 Needs the score cache of ``benchmarks/detection_transfer.py`` (it scores nothing itself):
 
@@ -100,6 +104,29 @@ def handwritten_ceiling(data: Any, pool: np.ndarray) -> dict[str, Any]:
     return report
 
 
+SWEEP = (0.05, 0.02, 0.01, 0.005, 0.002)
+
+
+def threshold_sweep(data: Any, model: dict[str, Any]) -> dict[str, Any]:
+    from guardrail.probe.config import load_model_config
+
+    everything = np.arange(len(data.labels))
+    shipped = {"config": load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")}
+    focus = {
+        "default (attention)": dt.focus_for(data, "shipped", shipped, everything),
+        "combined": dt.focus_for(data, "combined", model, everything),
+    }
+    report: dict[str, Any] = {}
+    for name, f in focus.items():
+        for threshold in SWEEP:
+            entry = {}
+            for corpus in dt.TEST_SOURCES + dt.CALIBRATION_SOURCES:
+                index = np.flatnonzero(data.corpus == corpus)
+                entry[corpus] = dt.measure(data.labels[index], f[index], threshold)
+            report[f"{name} at {threshold:g}"] = entry
+    return report
+
+
 def markdown(report: dict[str, Any]) -> str:
     out = ["## Per-layout offsets on the combined probe's logit\n"]
     out.append("| offsets from | " + " | ".join(dt.TEST_SOURCES) + " |")
@@ -115,6 +142,13 @@ def markdown(report: dict[str, Any]) -> str:
     out.append("| fit | AUROC | TPR at 1 % FPR |\n|---|---|---|")
     for name, entry in report["ceiling"].items():
         out.append(f"| {name} | {entry['auroc']} | {entry['tpr@1%fpr']} |")
+    out.append("\n## Threshold sweep: clean rows flagged / injections caught, per source\n")
+    sources = dt.TEST_SOURCES + dt.CALIBRATION_SOURCES
+    out.append("| config at threshold | " + " | ".join(sources) + " |")
+    out.append("|---|" + "---|" * len(sources))
+    for name, entry in report["sweep"].items():
+        cells = [f"{entry[c]['flagged_clean']:.1%} / {entry[c]['caught']:.0%}" for c in sources]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -132,6 +166,7 @@ def main() -> None:
     report = {
         "per_layout": per_layout_offsets(data, pool, model),
         "ceiling": handwritten_ceiling(data, pool),
+        "sweep": threshold_sweep(data, model),
     }
     (args.out / "ceiling_smollm2.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out / "ceiling_smollm2.md").write_text(markdown(report))

@@ -10,7 +10,9 @@ reads one of:
 - ``delta``: last minus the stream at the anchor, the token just before the first data segment
   (the end of the instruction and the template tokens that open the data);
 - ``delta_instruction``: last minus the stream at the last instruction token before the data;
-- ``last+delta``: both, in one sparse model.
+- ``last+delta``: both, in one sparse model;
+- ``data_mean`` and ``last+data_mean``: the mean stream over the data tokens (a different
+  question: does reading the data's own positions, as a classifier of the data would, help?).
 
 Everything else is the transfer benchmark's: same calibration pool, layers 15 and 18, attention
 stats of the same heads, same fits, same thresholds, leave-one-source-out and the held-out sets.
@@ -39,7 +41,9 @@ import numpy as np
 
 LAYERS = [15, 18]
 """The layers the transfer benchmark chose on the calibration pool (transfer_smollm2.json)."""
-VARIANTS = ("last", "delta", "delta_instruction", "last+delta")
+DATA_MEAN_LAYERS = [15]
+"""Layers whose stream is averaged over the data tokens (``data_mean``)."""
+VARIANTS = ("last", "delta", "delta_instruction", "last+delta", "data_mean", "last+data_mean")
 KINDS = ("hidden", "combined")
 
 
@@ -66,10 +70,10 @@ def extract(rows: list[Any], table: Any, out: Path) -> None:
         path, torch_dtype=torch.float32, attn_implementation="eager"
     ).eval()
     base = model.model
-    base.layers = base.layers[: max(LAYERS) + 1]  # nothing above is read
-    streams: dict[str, list[np.ndarray]] = {
-        f"{what}_{layer}": [] for what in ("anchor", "anchori", "last") for layer in LAYERS
-    }
+    # nothing above is read; HF applies the final norm to its last layer's output, so one more
+    base.layers = base.layers[: max(LAYERS) + 2]
+    streams: dict[str, list[np.ndarray]] = {f"datamean_{lay}": [] for lay in DATA_MEAN_LAYERS}
+    streams |= {f"{what}_{layer}": [] for what in ("anchor", "anchori", "last") for layer in LAYERS}
     worst = 0.0
     for i, row in enumerate(tqdm(rows, desc="HF streams", unit="row")):
         prepared = prepare_prompt(request_for(row), tokenizer)
@@ -81,17 +85,27 @@ def extract(rows: list[Any], table: Any, out: Path) -> None:
             streams[f"anchor_{layer}"].append(h[anchor].numpy())
             streams[f"anchori_{layer}"].append(h[instruction].numpy())
             streams[f"last_{layer}"].append(h[-1].numpy())
+        for layer in DATA_MEAN_LAYERS:
+            h = hidden.hidden_states[layer + 1][0]
+            data = torch.cat([h[lo:hi] for lo, hi in prepared.data_spans])
+            streams[f"datamean_{layer}"].append(data.mean(0).numpy())
             worst = max(worst, float(np.abs(h[-1].numpy() - table.hidden[layer][i]).max()))
     print(f"last-token stream, HF vs the serving probe: max abs difference {worst:.2e}")
+    if worst > 1e-2:  # streams of norm ~10: anything above float noise is a different stream
+        raise SystemExit("HF's streams are not the serving probe's: nothing saved")
     arrays = {k: np.stack(v) for k, v in streams.items()}
     np.savez(out, keys=np.array([r.id for r in rows]), parity=np.array(worst), **arrays)
 
 
 def hidden_for(variant: str, states: Any) -> dict[int, np.ndarray]:
-    """The hidden part's inputs, keyed like layers (1000 + layer: a delta of that layer)."""
+    """The hidden part's inputs, keyed like layers (1000 + layer: a delta of that layer,
+    2000 + layer: its mean over the data tokens)."""
     last = {layer: states[f"last_{layer}"] for layer in LAYERS}
     delta = {1000 + layer: last[layer] - states[f"anchor_{layer}"] for layer in LAYERS}
     delta_instruction = {1000 + lay: last[lay] - states[f"anchori_{lay}"] for lay in LAYERS}
+    if variant.endswith("data_mean"):
+        mean = {2000 + layer: states[f"datamean_{layer}"] for layer in DATA_MEAN_LAYERS}
+        return {**last, **mean} if variant.startswith("last+") else mean
     return {
         "last": last,
         "delta": delta,
@@ -111,7 +125,7 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 
 def markdown(results: dict[str, Any], parity: float) -> str:
     out = [
-        "# The TaskTracker-style delta, smollm2\n",
+        "# The TaskTracker-style delta and the data's mean stream, smollm2\n",
         f"Hidden part read at layers {LAYERS}; attention stats of the transfer benchmark's heads; "
         "same pool, fits and thresholds as transfer_smollm2.md. Streams from Hugging Face eager "
         f"on the engine's token ids (last-token stream vs the serving probe: max abs "

@@ -1,5 +1,6 @@
-"""The TaskTracker-style delta on SmolLM2: does the change of the residual stream across the
-untrusted data add anything to the combined probe?
+"""Other positions' streams on SmolLM2: does the TaskTracker-style delta (the change of the
+residual stream across the untrusted data) or the data's own mean stream add to the combined
+probe?
 
 TaskTracker (Abdelnabi et al.) reads the stream twice: at the end of what the model read before
 the data (the "primary task") and at the last token after it, and classifies the difference.
@@ -126,7 +127,8 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 def markdown(results: dict[str, Any], parity: float) -> str:
     out = [
         "# The TaskTracker-style delta and the data's mean stream, smollm2\n",
-        f"Hidden part read at layers {LAYERS}; attention stats of the transfer benchmark's heads; "
+        f"Hidden part: streams of layers {LAYERS} (last token, anchors), the mean over the data "
+        f"tokens of layers {DATA_MEAN_LAYERS}; attention stats of the transfer benchmark's heads; "
         "same pool, fits and thresholds as transfer_smollm2.md. Streams from Hugging Face eager "
         f"on the engine's token ids (last-token stream vs the serving probe: max abs "
         f"{parity:.1e}). Cells: AUROC / share of clean rows flagged / share of injections "

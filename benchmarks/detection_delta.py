@@ -27,7 +27,8 @@ Hugging Face (eager attention, float32) on the very token ids the engine scores
     python benchmarks/detection_delta.py --cache /tmp/transfer_scores.npz \\
         --states /tmp/delta_states.npz
 
-Writes benchmarks/results/delta_smollm2.json and .md (docs/detection.md quotes them).
+Writes benchmarks/results/delta_smollm2.json and .md (docs/detection.md quotes them) and the
+combined probe's ROC curves per held-out set, one per variant (docs/img/delta_<set>.png).
 """
 
 from __future__ import annotations
@@ -148,6 +149,15 @@ def markdown(results: dict[str, Any], parity: float) -> str:
     return "\n".join(out) + "\n"
 
 
+def plot(curves: dict[str, dict[str, Any]], img: Path) -> None:
+    """ROC of the combined probe per held-out set, one curve per variant (docs/img/delta_*.png)."""
+    from guardrail.offline.evaluation import plot_roc
+
+    for corpus in dt.TEST_SOURCES:
+        per_variant = {v: curves[v][corpus] for v in VARIANTS}
+        plot_roc(per_variant, img / f"delta_{corpus}.png", f"{corpus}: combined probe, by variant")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, default=Path("/tmp/transfer_scores.npz"))
@@ -163,12 +173,15 @@ def main() -> None:
     if list(states["keys"]) != [r.id for r in kept]:
         raise SystemExit(f"{args.states} holds other rows: delete it to extract again")
     parity = float(states["parity"]) if "parity" in states.files else float("nan")
-    results = {}
+    results, curves = {}, {}
     for variant in VARIANTS:
         print(f"variant {variant}")
         table.hidden = hidden_for(variant, states)
         layers = sorted(table.hidden)
-        results[variant] = summary(dt.evaluate_all(kept, table, layers=layers, kinds=KINDS))
+        report = dt.evaluate_all(kept, table, layers=layers, kinds=KINDS)
+        results[variant] = summary(report)
+        curves[variant] = {c: report["full_pool"]["combined"][c]["_roc"] for c in dt.TEST_SOURCES}
+    plot(curves, dt.ROOT / "docs" / "img")
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {"layers": LAYERS, "parity_max_abs": parity, "results": results}
     (args.out / "delta_smollm2.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -108,12 +108,9 @@ SWEEP = (0.05, 0.02, 0.01, 0.005, 0.002)
 
 
 def threshold_sweep(data: Any, model: dict[str, Any]) -> dict[str, Any]:
-    from guardrail.probe.config import load_model_config
-
     everything = np.arange(len(data.labels))
-    shipped = {"config": load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")}
     focus = {
-        "default (attention)": dt.focus_for(data, "shipped", shipped, everything),
+        "default (attention)": dt.focus_for(data, "shipped", dt.shipped_model(), everything),
         "combined": dt.focus_for(data, "combined", model, everything),
     }
     report: dict[str, Any] = {}
@@ -144,12 +141,12 @@ def markdown(report: dict[str, Any]) -> str:
         out.append(f"| {name} | {entry['auroc']} | {entry['tpr@1%fpr']} |")
     out.append("\n## Threshold sweep: clean rows flagged / injections caught, per source\n")
     sources = dt.TEST_SOURCES + dt.CALIBRATION_SOURCES
-    out.append("| config at threshold | " + " | ".join(sources) + " |")
-    out.append("|---|" + "---|" * len(sources))
-    for name, entry in report["sweep"].items():
-        cells = [f"{entry[c]['flagged_clean']:.1%} / {entry[c]['caught']:.0%}" for c in sources]
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n"
+    rows = {
+        name: {c: f"{entry[c]['flagged_clean']:.1%} / {entry[c]['caught']:.0%}" for c in sources}
+        for name, entry in report["sweep"].items()
+    }
+    out.append(dt._table(rows, sources))
+    return "\n".join(out)
 
 
 def main() -> None:

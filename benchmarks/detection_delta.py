@@ -137,16 +137,15 @@ def markdown(results: dict[str, Any], parity: float) -> str:
     ]
     for kind in KINDS:
         sources = list(results[VARIANTS[0]][kind])
-        out.append(f"## {kind}\n")
-        out.append("| | " + " | ".join(sources) + " |\n|---|" + "---|" * len(sources))
-        for variant in VARIANTS:
-            cells = [
-                f"{m['auroc']:.3f} / {m['flagged_clean']:.3f} / {m['caught']:.2f}"
-                for m in (results[variant][kind][s] for s in sources)
-            ]
-            out.append(f"| {variant} | " + " | ".join(cells) + " |")
-        out.append("")
-    return "\n".join(out) + "\n"
+        rows = {
+            variant: {
+                s: f"{m['auroc']:.3f} / {m['flagged_clean']:.3f} / {m['caught']:.2f}"
+                for s, m in results[variant][kind].items()
+            }
+            for variant in VARIANTS
+        }
+        out.append(f"## {kind}\n\n" + dt._table(rows, sources))
+    return "\n".join(out)
 
 
 def plot(curves: dict[str, dict[str, Any]], img: Path) -> None:
@@ -172,7 +171,7 @@ def main() -> None:
     states = np.load(args.states)
     if list(states["keys"]) != [r.id for r in kept]:
         raise SystemExit(f"{args.states} holds other rows: delete it to extract again")
-    parity = float(states["parity"]) if "parity" in states.files else float("nan")
+    parity = float(states["parity"])
     results, curves = {}, {}
     for variant in VARIANTS:
         print(f"variant {variant}")

@@ -269,6 +269,14 @@ def choose_hidden_layers(data: Data, pool: np.ndarray) -> tuple[list[int], dict[
     return sorted(best), scores
 
 
+def shipped_model() -> dict[str, Any]:
+    """The default SmolLM2 config as a fixed "model" of kind ``shipped`` (its own threshold)."""
+    from guardrail.probe.config import load_model_config
+
+    config = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")
+    return {"config": config, "threshold": config.threshold}
+
+
 def evaluate_all(
     rows: Sequence[LabelledPair],
     table: Any,
@@ -280,8 +288,6 @@ def evaluate_all(
     ``kinds``: the probe kinds measured (default ``KINDS``)."""
     from tqdm.auto import tqdm
 
-    from guardrail.probe.config import load_model_config
-
     kinds = list(kinds or KINDS)
     data = Data(rows, table)
     pool = np.flatnonzero(data.role == "calibration")
@@ -289,10 +295,7 @@ def evaluate_all(
         layers, layer_scores = choose_hidden_layers(data, pool)
     else:
         layers, layer_scores = list(layers), {}
-    shipped: dict[str, Any] = {}
-    if "shipped" in kinds:
-        shipped["config"] = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")
-        shipped["threshold"] = shipped["config"].threshold
+    shipped = shipped_model() if "shipped" in kinds else {}
     report: dict[str, Any] = {
         "hidden_layer_cv_auroc": layer_scores,
         "hidden_layers": layers,

@@ -69,7 +69,7 @@ MAX_STORED_RESULTS = 65536
 # -- collective_rpc method names (methods of GuardrailWorkerExtension) --------------------------
 RPC_MODEL_INFO = "guardrail_model_info"  # () -> ModelInfo
 RPC_INSTALL = "guardrail_install"  # (heads: [[layer, head]], config: dict, raw_hidden_layers:
-# [layer]) -> ModelInfo
+# [layer], raw_data_mean_layers: [layer]) -> ModelInfo
 RPC_UNINSTALL = "guardrail_uninstall"  # () -> None
 RPC_POP_RESULTS = "guardrail_pop_results"  # (keys: [str]) -> {key: ProbeResultData}
 RPC_SET_FAULTS = "guardrail_set_faults"  # (keys: [str]) -> None
@@ -120,6 +120,7 @@ class ProbeResultData(TypedDict):
     error: NotRequired[str]  # why the probe could not score (the request is then unscored)
     hidden: NotRequired[list[list[Any]]]  # [[layer, logit term], ...]: the config's hidden part
     hidden_states: NotRequired[list[list[Any]]]  # [[layer, [stream...]], ...]: raw (calibration)
+    data_mean_states: NotRequired[list[list[Any]]]  # the same, averaged over the data tokens
     focus: NotRequired[float]  # computed in the worker when it decided an early stop
     stopped: NotRequired[bool]  # ended right after prefill
 

@@ -61,13 +61,16 @@ def tiny_qwen2_engine(tiny_qwen2_dir: Path) -> Iterator[object]:
 
 @pytest.fixture(scope="session")
 def tiny_hidden_engine(tiny_llama_dir: Path) -> Iterator[object]:
-    """Tiny Llama with the hidden-state signal: a config reading layers 1 and 2, and the whole
-    stream of layers 0-2 returned with every result (as calibration reads it)."""
+    """Tiny Llama with the hidden-state signal: a config reading layers 1-3 (last token and
+    data mean), and the whole stream of layers 0-2 at the last token and averaged over the data
+    tokens returned with every result (as calibration reads it)."""
     engine = start_engine(
         tiny_llama_dir,
         multiprocess=True,
         probe_config=tiny_hidden_config(),
         probe_hidden_layers=[0, 1, 2],
+        probe_data_mean_layers=[0, 1, 2],
+        num_gpu_blocks_override=1024,  # the whole-stream memo holds 128 floats per KV slot
     )
     yield engine
     engine.close()

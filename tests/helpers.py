@@ -131,8 +131,9 @@ def tiny_config(model_id: str = "tiny", threshold: float | None = 0.5):  # type:
 
 
 def tiny_hidden_config():  # type: ignore[no-untyped-def]
-    """A logistic probe over every head of tiny Llama plus a random sparse read-out of the
-    hidden state of layers 1 and 2 (12 of its 128 coordinates each)."""
+    """A logistic probe over every head of tiny Llama plus random sparse read-outs of the
+    hidden state (12 of its 128 coordinates each): at the last prompt token on layers 1 and 2,
+    averaged over the data tokens on layers 2 and 3 (layer 2 reads both positions)."""
     import numpy as np
 
     from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
@@ -146,8 +147,9 @@ def tiny_hidden_config():  # type: ignore[no-untyped-def]
             mean=rng.normal(0, 0.1, 12).tolist(),
             scale=rng.uniform(0.5, 2.0, 12).tolist(),
             weights=rng.normal(0, 1.0, 12).tolist(),
+            position=position,
         )
-        for layer in (1, 2)
+        for layer, position in ((1, "last"), (2, "last"), (2, "data_mean"), (3, "data_mean"))
     ]
     return ModelProbeConfig(
         model_id="tiny",

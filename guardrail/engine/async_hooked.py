@@ -229,6 +229,9 @@ class AsyncHookedLLM:
                 RPC_INSTALL,
                 args=([list(h) for h in self.probe_heads], self.config.model_dump(mode="json")),
             )
+            if self.config.hidden_layers_at("data_mean"):
+                # the data-mean memo starts empty: no cached block may predate it
+                await self.engine.reset_prefix_cache()
         except ValueError as exc:
             raise EngineNotGuardableError(str(exc)) from exc
         out = (await self.generate([SELF_TEST_REQUEST], self.sampling(max_tokens=1)))[0]

@@ -207,6 +207,7 @@ class ProbeClient:
         heads: dict[HeadKey, tuple[float, ...]] = {}
         hidden: dict[int, float] = {}
         streams: dict[int, tuple[float, ...]] = {}
+        means: dict[int, tuple[float, ...]] = {}
         error: str | None = None
         num_prompt_tokens, seconds, stopped = 0, 0.0, False
         for rank in per_rank:
@@ -222,6 +223,7 @@ class ProbeClient:
             # the stream between layers is the same on every tensor-parallel rank
             hidden.update((int(layer), float(term)) for layer, term in found.get("hidden", []))
             streams.update((int(lay), tuple(x)) for lay, x in found.get("hidden_states", []))
+            means.update((int(lay), tuple(x)) for lay, x in found.get("data_mean_states", []))
         if error is None and not heads:
             error = "missing: the probe returned no score for this request"
         elif error is None and any(h not in heads for h in self.config.heads):
@@ -234,6 +236,7 @@ class ProbeClient:
             head_stats=heads,
             hidden=hidden,
             hidden_states=streams,
+            data_mean_states=means,
             error=error,
             num_prompt_tokens=num_prompt_tokens,
             probe_seconds=seconds,

@@ -70,7 +70,9 @@ class HookedLLM:
     the model; ``probe_heads`` overrides which heads are scored ("all" scores every head of
     every layer, for calibration); ``probe_hidden_layers`` names decoder layers whose whole
     residual stream at the last prompt token each result carries (``ProbeResult.hidden_states``,
-    for calibration; needs ``enforce_eager=True``, like a config with a hidden-state part).
+    for calibration; needs ``enforce_eager=True``, like a config with a hidden-state part), and
+    ``probe_data_mean_layers`` those whose stream averaged over the data tokens it carries
+    (``ProbeResult.data_mean_states``; costs ``hidden_size`` float32 per KV slot per layer).
     Other keyword arguments go to ``vllm.LLM`` unchanged.
     Steering (``load_steering_vector``, ``generate(steering=...)``) needs ``enforce_eager=True``.
 
@@ -94,6 +96,7 @@ class HookedLLM:
         *,
         probe_heads: Sequence[HeadKey] | str | None = None,
         probe_hidden_layers: Sequence[int] = (),
+        probe_data_mean_layers: Sequence[int] = (),
         **engine_kwargs: Any,
     ) -> None:
         arguments = engine_arguments(engine_kwargs)
@@ -112,7 +115,11 @@ class HookedLLM:
             self._handle.watch()
             self._tokenizer = llm.get_tokenizer()
             self._max_model_len = llm.llm_engine.model_config.max_model_len
-            self._install(probe_heads, [int(layer) for layer in probe_hidden_layers])
+            self._install(
+                probe_heads,
+                [int(layer) for layer in probe_hidden_layers],
+                [int(layer) for layer in probe_data_mean_layers],
+            )
         except BaseException:
             self.close()
             raise
@@ -132,7 +139,12 @@ class HookedLLM:
         """Hold the engine for one call (``EngineHandle.call``): yields the ``vllm.LLM``."""
         return self._handle.call()
 
-    def _install(self, probe_heads: Sequence[HeadKey] | str | None, raw_hidden: list[int]) -> None:
+    def _install(
+        self,
+        probe_heads: Sequence[HeadKey] | str | None,
+        raw_hidden: list[int],
+        raw_means: list[int],
+    ) -> None:
         with self._engine_call() as llm:
             info: ModelInfo = llm.collective_rpc(RPC_MODEL_INFO)[0]
         self.model_info = info
@@ -140,6 +152,7 @@ class HookedLLM:
         heads = heads_to_score(self.config, info, probe_heads)
         self.probe_heads: list[HeadKey] = heads
         self.probe_hidden_layers: list[int] = sorted(set(raw_hidden))
+        self.probe_data_mean_layers: list[int] = sorted(set(raw_means))
         self.probe = ProbeClient(
             self.config,
             tp_size=info["tp_size"],
@@ -156,8 +169,12 @@ class HookedLLM:
                         [list(h) for h in heads],
                         self.config.model_dump(mode="json"),
                         raw_hidden,
+                        raw_means,
                     ),
                 )[0]
+                if raw_means or self.config.hidden_layers_at("data_mean"):
+                    # the data-mean memo starts empty: no cached block may predate it
+                    llm.reset_prefix_cache()
         except ValueError as exc:
             raise EngineNotGuardableError(str(exc)) from exc
         self.model_info = installed

@@ -49,9 +49,11 @@ class ProbeResult:
     head_scores: dict[HeadKey, float] = field(default_factory=dict)  # focus per head
     head_stats: dict[HeadKey, tuple[float, ...]] = field(default_factory=dict)  # ATTENTION_STATS
     # The hidden-state signal: each read layer's term of the probe's logit (config.hidden), and
-    # the raw residual stream at the last prompt token where asked for (calibration).
+    # the raw residual stream at the last prompt token / averaged over the data tokens where
+    # asked for (calibration).
     hidden: dict[int, float] = field(default_factory=dict)
     hidden_states: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    data_mean_states: dict[int, tuple[float, ...]] = field(default_factory=dict)
     error: str | None = None
     num_prompt_tokens: int = 0
     probe_seconds: float = 0.0

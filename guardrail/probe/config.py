@@ -47,6 +47,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "Calibration",
     "HiddenLayerProbe",
+    "HiddenPosition",
     "ModelProbeConfig",
     "load_model_config",
     "model_id_matches",
@@ -59,6 +60,9 @@ __all__ = [
 ]
 
 ProbeKind = Literal["mean_focus", "logistic"]
+HiddenPosition = Literal["last", "data_mean"]
+"""Where a hidden-state read-out takes the residual stream: at the last prompt token, or
+averaged over the request's data tokens."""
 
 MAX_CONFIG_BYTES = 10 * 1024 * 1024
 """Config files above this size are refused unread (the shipped ones are a few kB)."""
@@ -147,12 +151,15 @@ _SIZE_FACTS = ("num_layers", "num_heads", "num_kv_heads", "hidden_size")
 
 
 class HiddenLayerProbe(ConfigModel):
-    """The hidden-state part of a logistic probe for one decoder layer.
+    """The hidden-state part of a logistic probe for one decoder layer and position.
 
-    The probe reads the residual stream (the decoder layer's output, before the final norm) at
-    the last prompt token, ``x`` of size ``hidden_size``, and adds to the probe's logit
-    ``sum(weights * (x[dims] - mean) / scale)``: a sparse linear read-out on standardised
-    coordinates (only the coordinates with a non-zero weight are stored).
+    The probe reads the residual stream (the decoder layer's output, before the final norm)
+    ``x`` of size ``hidden_size`` at ``position``: ``"last"``, the last prompt token, or
+    ``"data_mean"``, the stream averaged over the request's data tokens. It adds to the probe's
+    logit ``sum(weights * (x[dims] - mean) / scale)``: a sparse linear read-out on standardised
+    coordinates (only the coordinates with a non-zero weight are stored). A layer may have one
+    read-out per position. A request without data tokens gets no ``data_mean`` term (0: there
+    is no untrusted text to read); its attention and last-token terms still score it.
 
     Example:
         >>> part = HiddenLayerProbe(layer=3, dims=[0, 7], mean=[0.1, -2.0], scale=[1.0, 4.0],
@@ -166,6 +173,7 @@ class HiddenLayerProbe(ConfigModel):
     mean: list[FiniteNumber]
     scale: list[FiniteNumber]
     weights: list[FiniteNumber]
+    position: HiddenPosition = "last"
 
     @model_validator(mode="after")
     def _check(self) -> HiddenLayerProbe:
@@ -240,9 +248,9 @@ class ModelProbeConfig(ConfigModel):
         if self.hidden is not None:
             if self.probe != "logistic":
                 raise ValueError("hidden is only used by probe 'logistic'; remove it or set probe")
-            layers = [part.layer for part in self.hidden]
-            if len(set(layers)) != len(layers):
-                raise ValueError(f"hidden lists a layer twice: {sorted(layers)}")
+            reads = [(part.layer, part.position) for part in self.hidden]
+            if len(set(reads)) != len(reads):
+                raise ValueError(f"hidden lists a (layer, position) twice: {sorted(reads)}")
         self._check_own_sizes()
         return self
 
@@ -282,7 +290,11 @@ class ModelProbeConfig(ConfigModel):
     @property
     def hidden_layers(self) -> list[int]:
         """Sorted decoder layers whose residual stream the probe reads (empty: attention only)."""
-        return sorted(part.layer for part in self.hidden or [])
+        return sorted({part.layer for part in self.hidden or []})
+
+    def hidden_layers_at(self, position: HiddenPosition) -> list[int]:
+        """Sorted decoder layers the probe reads at ``position``."""
+        return sorted({part.layer for part in self.hidden or [] if part.position == position})
 
     def focus(
         self,
@@ -291,7 +303,8 @@ class ModelProbeConfig(ConfigModel):
     ) -> float:
         """Combine per-head attention stats (``scoring.ATTENTION_STATS``) and, for a config with
         a hidden-state part, each hidden layer's logit term (``hidden``: layer -> the term, as
-        ``HiddenLayerProbe.project`` computes it) into the request's focus (low = injection)."""
+        ``HiddenLayerProbe.project`` computes it; a layer read at both positions has the sum of
+        its two terms) into the request's focus (low = injection)."""
         if self.probe == "logistic":
             extra = 0.0
             if self.hidden:
@@ -300,7 +313,7 @@ class ModelProbeConfig(ConfigModel):
                         f"this probe reads the hidden state of layers {self.hidden_layers}; "
                         "the request's reading lacks some"
                     )
-                extra = sum(float(hidden[p.layer]) for p in self.hidden)
+                extra = sum(float(hidden[layer]) for layer in self.hidden_layers)
             return logistic_focus(
                 head_stats, self.heads, self.weights or [], self.bias + extra, self.feature
             )

@@ -85,13 +85,16 @@ class GuardrailWorkerExtension:
         heads: list[list[int]],
         config: dict[str, Any],
         raw_hidden_layers: list[int] | None = None,
+        raw_data_mean_layers: list[int] | None = None,
     ) -> ModelInfo:
         """Install the probe on the layers holding ``heads`` ([layer, head], global indices).
 
         ``config`` is the model's ``ModelProbeConfig`` as plain data: the worker combines head
         scores and hidden-state terms into the focus itself, for early stops (with tensor
         parallelism, after the ranks exchanged their heads). ``raw_hidden_layers``: decoder
-        layers whose whole residual stream at the last prompt token is returned (calibration).
+        layers whose whole residual stream at the last prompt token is returned, and
+        ``raw_data_mean_layers`` those whose stream averaged over the data tokens is
+        (calibration).
         """
         self.guardrail_uninstall()
         info = self.guardrail_model_info()
@@ -109,6 +112,7 @@ class GuardrailWorkerExtension:
             self._faults(),
             whole,
             [int(layer) for layer in raw_hidden_layers or []],
+            [int(layer) for layer in raw_data_mean_layers or []],
         )
         self._guardrail_probe = probe
         PROBES[id(self.model_runner.vllm_config)] = probe

@@ -1,18 +1,38 @@
-"""The hidden-state signal inside vLLM's worker: the residual stream at the last prompt token.
+"""The hidden-state signal inside vLLM's worker: the residual stream at the last prompt token,
+and the stream averaged over the request's data tokens.
 
 A forward hook on each decoder layer the config reads (``ModelProbeConfig.hidden``) takes the
-stream at the last prompt token of the rows the attention probe scores in this step (the layer
-returns ``(hidden, residual)``; the stream is their sum, before the final norm) and computes the
-layer's term of the probe's logit on the device: ``sum(weights * (x[dims] - mean) / scale)``.
-Layers asked for by calibration (``raw_layers``) also keep the whole stream. The hooks share the
-attention probe's plan and rows (``guardrail.worker.probe.Probe``), so both signals come from
-the same pass and the same rows, and the step's results are stored once.
+layer's output stream (the layer returns ``(hidden, residual)``; the stream is their sum, before
+the final norm) and computes the layer's terms of the probe's logit on the device, for the rows
+the attention probe scores in this step. For a read-out ``sum(weights * (x[dims] - mean) /
+scale)`` that is ``x[dims] @ (weights / scale) - sum(weights * mean / scale)``:
 
-The last prompt token is always computed in the step that scores the request (vLLM never serves
-it from the prefix cache), so cached prefixes and chunked prefill change nothing here. Python
-forward hooks run only in eager mode: a config with a hidden part needs ``enforce_eager=True``
-(refused at install otherwise). With tensor parallelism the stream between layers is the same
-on every rank; with pipeline parallelism each stage reads the layers it holds.
+- ``last``: ``x`` is the stream at the last prompt token, which is always computed in the step
+  that scores the request (vLLM never serves it from the prefix cache), so cached prefixes and
+  chunked prefill change nothing for it.
+- ``data_mean``: ``x`` is the mean of the streams of the request's data tokens. The read-out is
+  linear, so the mean of the per-token projections ``x_t[dims] @ (weights / scale)`` is enough.
+  Data tokens may have been computed in an earlier chunked-prefill step, or by an earlier
+  request whose KV blocks this one reuses from the prefix cache (shared documents, earlier
+  turns): their streams are never seen again. So the hook writes, in *every* step, each computed
+  token's projection into a memo laid out like the paged KV cache, one float per KV slot, at the
+  step's ``slot_mapping`` (where the layer's keys and values are written). A slot's memo entry
+  is therefore written whenever its KV entry is, and a block served from the prefix cache brings
+  its projections along: the read-out gathers them through the request's block table and does
+  not depend on the cache state. Cost: one float32 per KV slot per read-out (about 0.7 MB for
+  180,000 cached tokens) and a gather-and-dot over the step's tokens. The memo starts as NaN: a
+  slot never computed in this process (KV loaded by a connector, or cached before install; the
+  clients reset the prefix cache at install) makes the term NaN, recorded as the row's error.
+
+Layers asked for by calibration keep whole streams: ``raw_last`` returns the last token's,
+``raw_mean`` the data tokens' mean (its memo holds the whole stream per KV slot,
+``hidden_size`` float32 each: calibration engines only). The hooks share the attention probe's
+plan and rows (``guardrail.worker.probe.Probe``), so both signals come from the same pass and
+the same rows, and the step's results are stored once.
+
+Python forward hooks run only in eager mode: a config with a hidden part needs
+``enforce_eager=True`` (refused at install otherwise). With tensor parallelism the stream between
+layers is the same on every rank; with pipeline parallelism each stage reads the layers it holds.
 """
 
 from __future__ import annotations
@@ -27,52 +47,102 @@ import torch
 from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
 from guardrail.worker.forward import decoder_layers, step_metadata
 
-__all__ = ["HiddenReader", "install_hidden", "make_hidden_hook"]
+__all__ = ["HiddenReader", "Readout", "install_hidden", "make_hidden_hook"]
+
+
+@dataclass
+class Readout:
+    """One ``HiddenLayerProbe`` folded for the device: ``term = x[dims] @ coef - offset``."""
+
+    dims: torch.Tensor
+    coef: torch.Tensor
+    offset: torch.Tensor
+
+    @classmethod
+    def of(cls, part: HiddenLayerProbe, device: Any) -> Readout:
+        weights = torch.tensor(part.weights, dtype=torch.float64)
+        scale = torch.tensor(part.scale, dtype=torch.float64)
+        mean = torch.tensor(part.mean, dtype=torch.float64)
+        return cls(
+            torch.tensor(part.dims, dtype=torch.long, device=device),
+            (weights / scale).float().to(device),
+            (weights * mean / scale).sum().float().to(device),
+        )
+
+    def project(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """``x[dims] @ coef`` for each row of the stream ``hidden (+ residual)``."""
+        x = hidden.index_select(1, self.dims)
+        if residual is not None:
+            x = x + residual.index_select(1, self.dims)
+        return x.float() @ self.coef
 
 
 @dataclass
 class HiddenReader:
-    """One decoder layer whose residual stream the probe reads at the last prompt token."""
+    """One decoder layer whose residual stream the probe reads."""
 
     index: int
-    part: HiddenLayerProbe | None  # the config's read-out (None: raw stream only)
-    raw: bool  # return the whole stream (calibration)
+    last: Readout | None = None  # the config's read-out at the last prompt token
+    mean: Readout | None = None  # the config's read-out of the data tokens' mean stream
+    raw_last: bool = False  # return the last token's whole stream (calibration)
+    memo: torch.Tensor | None = None  # [slots + 1]: each KV slot's projection on ``mean``
+    raw_memo: torch.Tensor | None = None  # [slots + 1, hidden_size]: whole streams (raw_mean)
     handle: Any = None  # RemovableHandle of the forward hook
-    dims: torch.Tensor | None = None
-    mean: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
 
-    def to(self, device: Any) -> HiddenReader:
-        if self.part is not None:
-            p = self.part
-            self.dims = torch.tensor(p.dims, dtype=torch.long, device=device)
-            self.mean = torch.tensor(p.mean, dtype=torch.float32, device=device)
-            self.scale = torch.tensor(p.scale, dtype=torch.float32, device=device)
-            self.weights = torch.tensor(p.weights, dtype=torch.float32, device=device)
-        return self
+    @property
+    def remembers(self) -> bool:
+        return self.memo is not None or self.raw_memo is not None
+
+    def remember(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, slot_mapping: torch.Tensor
+    ) -> None:
+        """Write every computed token's projection (and whole stream) at its KV slot; padded
+        tokens (slot -1) go to the spare last entry."""
+        memo = self.memo if self.memo is not None else self.raw_memo
+        assert memo is not None
+        n = min(slot_mapping.shape[0], hidden.shape[0])
+        slots = slot_mapping[:n].long()
+        slots = torch.where(slots >= 0, slots, memo.shape[0] - 1)
+        hidden = hidden[:n]
+        residual = residual[:n] if residual is not None else None
+        if self.memo is not None:
+            assert self.mean is not None
+            self.memo.index_copy_(0, slots, self.mean.project(hidden, residual))
+        if self.raw_memo is not None:
+            stream = hidden if residual is None else hidden + residual
+            self.raw_memo.index_copy_(0, slots, stream.float())
 
     def read(
         self, rows: Sequence[Any], hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> None:
-        """Each row's logit term (and raw stream), from the layer's output, kept on the device."""
+        """Each row's logit term (the sum of this layer's read-outs) and raw streams, from the
+        layer's output and the memo, kept on the device."""
         ok = [r for r in rows if r.error is None]
         if not ok:
             return
-        index = torch.tensor([r.token_row for r in ok], device=hidden.device)
-        stream = hidden.index_select(0, index)
-        if residual is not None:
-            stream = stream + residual.index_select(0, index)
-        stream = stream.float()
-        if self.part is not None:
-            assert self.dims is not None and self.mean is not None
-            assert self.scale is not None and self.weights is not None
-            terms = ((stream.index_select(1, self.dims) - self.mean) / self.scale) @ self.weights
-            for r, term in zip(ok, terms, strict=True):
-                r.hidden[self.index] = term
-        if self.raw:
-            for r, x in zip(ok, stream, strict=True):
-                r.streams[self.index] = x
+        if self.last is not None or self.raw_last:
+            index = torch.tensor([r.token_row for r in ok], device=hidden.device)
+            last_hidden = hidden.index_select(0, index)
+            last_residual = residual.index_select(0, index) if residual is not None else None
+            if self.last is not None:
+                last_terms = self.last.project(last_hidden, last_residual) - self.last.offset
+        for i, row in enumerate(ok):
+            term: torch.Tensor | None = last_terms[i] if self.last is not None else None
+            has_data = row.data_slots.numel() > 0
+            if self.memo is not None:  # no data: the read-out adds nothing (term 0)
+                assert self.mean is not None
+                mean = self.memo.index_select(0, row.data_slots).mean() - self.mean.offset
+                mean = mean if has_data else torch.zeros_like(self.mean.offset)
+                term = mean if term is None else term + mean
+            if term is not None:
+                row.hidden[self.index] = term
+            if self.raw_last:
+                stream = last_hidden[i]
+                if last_residual is not None:
+                    stream = stream + last_residual[i]
+                row.streams[self.index] = stream.float()
+            if self.raw_memo is not None and has_data:  # no data: no mean stream to return
+                row.mean_streams[self.index] = self.raw_memo.index_select(0, row.data_slots).mean(0)
 
 
 def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
@@ -86,8 +156,10 @@ def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
             metadata = step_metadata(context)
             if metadata is None:  # warm-up, profiling
                 return
+            hidden, residual = output if isinstance(output, tuple) else (output, None)
+            if reader.remembers:  # every step: the memo mirrors the KV cache
+                reader.remember(hidden, residual, metadata.slot_mapping)
             if probe.plan(runner, context, metadata):
-                hidden, residual = output if isinstance(output, tuple) else (output, None)
                 reader.read(probe.rows, hidden, residual)
         except Exception as exc:  # recorded for the step's rows
             for row in probe.rows:
@@ -99,18 +171,33 @@ def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
     return hook
 
 
+def _kv_slots(runner: Any, info: dict[str, Any]) -> int:
+    """How many token slots the engine's paged KV cache has (num_blocks x block_size)."""
+    config = getattr(runner, "kv_cache_config", None)
+    num_blocks = getattr(config, "num_blocks", None)
+    if not num_blocks:
+        raise ValueError(
+            "the data-mean hidden-state read-out needs the KV cache's size, and this runner "
+            "has no kv_cache_config.num_blocks; use a 'last'-position config"
+        )
+    return int(num_blocks) * int(info["block_size"])
+
+
 def install_hidden(
     probe: Any,
     runner: Any,
     info: dict[str, Any],
     config: ModelProbeConfig | None,
     raw_layers: list[int],
+    raw_mean_layers: list[int] | None = None,
 ) -> None:
-    """Hook the decoder layers of ``config.hidden`` and ``raw_layers`` (whole streams returned)
-    for ``probe`` (a ``guardrail.worker.probe.Probe``); its step then finishes after the last
-    of its attention layers and these."""
-    parts = {p.layer: p for p in (config.hidden if config is not None else None) or []}
-    wanted = sorted(set(parts) | set(raw_layers))
+    """Hook the decoder layers of ``config.hidden``, ``raw_layers`` (the last token's whole
+    stream returned) and ``raw_mean_layers`` (the data tokens' mean stream returned) for
+    ``probe`` (a ``guardrail.worker.probe.Probe``); its step then finishes after the last of its
+    attention layers and these."""
+    raw_mean_layers = raw_mean_layers or []
+    parts = (config.hidden if config is not None else None) or []
+    wanted = sorted({p.layer for p in parts} | set(raw_layers) | set(raw_mean_layers))
     if not wanted:
         return
     if not info["enforce_eager"]:
@@ -128,17 +215,35 @@ def install_hidden(
     for index in wanted:
         if not 0 <= index < len(layers):
             raise ValueError(f"hidden layer {index} outside the model's {len(layers)} layers")
-        part = parts.get(index)
-        if part is not None and max(part.dims) >= info["hidden_size"]:
+    for part in parts:
+        if max(part.dims) >= info["hidden_size"]:
             raise ValueError(
-                f"hidden layer {index} reads coordinate {max(part.dims)}, outside the "
+                f"hidden layer {part.layer} reads coordinate {max(part.dims)}, outside the "
                 f"model's hidden size {info['hidden_size']}"
             )
+    needs_memo = raw_mean_layers or any(p.position == "data_mean" for p in parts)
+    if needs_memo and getattr(runner.vllm_config, "kv_transfer_config", None) is not None:
+        raise ValueError(
+            "the data-mean hidden-state read-out cannot run with a KV connector: KV blocks "
+            "loaded from elsewhere bring no residual streams; use a 'last'-position config"
+        )
+    slots = _kv_slots(runner, info) if needs_memo else 0
+    device = runner.device
     # With pipeline parallelism a stage holds some layers only (the others are placeholders).
     held = [i for i in wanted if type(layers[i]).__name__ != "PPMissingLayer"]
     for index in held:
-        reader = HiddenReader(index, parts.get(index), index in raw_layers).to(runner.device)
+        reader = HiddenReader(index, raw_last=index in raw_layers)
+        for part in parts:
+            if part.layer == index and part.position == "last":
+                reader.last = Readout.of(part, device)
+            elif part.layer == index:
+                reader.mean = Readout.of(part, device)
+                reader.memo = torch.full((slots + 1,), float("nan"), device=device)
+        if index in raw_mean_layers:
+            size = (slots + 1, info["hidden_size"])
+            reader.raw_memo = torch.full(size, float("nan"), device=device)
         reader.handle = layers[index].register_forward_hook(make_hidden_hook(probe, reader, runner))
         probe.hidden[index] = reader
+    probe.needs_data_slots = any(r.remembers for r in probe.hidden.values())
     if probe.hidden and max(probe.hidden) >= probe.last_layer:
         probe.last_layer, probe.finish_on_hidden = max(probe.hidden), True

@@ -21,6 +21,7 @@ probe's step plan and rows (``guardrail.worker.hidden``).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ __all__ = [
     "make_probe_forward",
     "uninstall_probe",
 ]
+
+Streams = dict[int, list[float]]  # layer -> a raw stream
 
 PROBES: dict[int, Probe] = {}
 """The probe of each engine in this process, by id() of the engine's VllmConfig: the stop
@@ -66,6 +69,8 @@ class _Row:
     scores: list[torch.Tensor] = field(default_factory=list)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> logit term, 0-d
     streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> raw stream
+    mean_streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> data mean
+    data_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     error: str | None = None
     stop_below: float | None = None
     stop_on_error: bool = True
@@ -164,9 +169,27 @@ class Probe:
                     f"engine saw {n} prompt tokens, request spans were made for "
                     f"{spec['num_prompt_tokens']}"
                 )
+            if self.needs_data_slots:
+                row.data_slots = self._data_slots(row, metadata)
         except Exception as exc:  # recorded for this request, never raised into the engine
             row.error = f"plan: {type(exc).__name__}: {exc}"
         return row
+
+    def _data_slots(self, row: _Row, metadata: Any) -> torch.Tensor:
+        """The KV slots of the request's data tokens (where the hidden memo holds their
+        projections), checked against the slot vLLM wrote the last prompt token to."""
+        bs = self.block_size
+        positions = torch.arange(row.num_prompt_tokens, device=row.data_mask.device)
+        positions = positions[row.data_mask]
+        slots = row.block_ids.long()[positions // bs] * bs + positions % bs
+        last = row.num_prompt_tokens - 1
+        expected = int(row.block_ids[last // bs]) * bs + last % bs
+        if expected != int(metadata.slot_mapping[row.token_row]):
+            raise RuntimeError(
+                "KV slot layout check failed: the last prompt token's slot from the block table "
+                "differs from the slot vLLM wrote it to"
+            )
+        return slots
 
     # -- per layer -----------------------------------------------------------------------------
     def score_layer(
@@ -217,17 +240,24 @@ class Probe:
             stats = self._combine_ranks(rows, stats)
         hidden = self._row_hidden(rows)
         latency = self.probe_seconds
-        for row, scores, (terms, streams) in zip(rows, stats, hidden, strict=True):
+        for row, scores, (terms, streams, means) in zip(rows, stats, hidden, strict=True):
             result: ProbeResultData = {
                 "num_prompt_tokens": row.num_prompt_tokens,
                 "probe_seconds": latency / max(len(rows), 1),
             }
+            if row.error is None and not all(map(math.isfinite, terms.values())):
+                row.error = (
+                    "hidden: a logit term is not finite (a data token's stream was never "
+                    "computed in this process: KV loaded without a forward pass?)"
+                )
             if row.error is None and scores is not None:
                 result["heads"] = [[lay, h, s] for (lay, h), s in scores.items()]
                 if terms:
                     result["hidden"] = [[lay, t] for lay, t in terms.items()]
                 if streams:
                     result["hidden_states"] = [[lay, x] for lay, x in streams.items()]
+                if means:
+                    result["data_mean_states"] = [[lay, x] for lay, x in means.items()]
             else:
                 result["error"] = row.error or "probe: no score"
             self._decide_stop(row, result, scores if row.error is None else None, terms)
@@ -250,32 +280,34 @@ class Probe:
             offset += len(heads)
         return stats
 
-    def _row_hidden(
-        self, rows: list[_Row]
-    ) -> list[tuple[dict[int, float], dict[int, list[float]]]]:
-        """Each row's hidden-state logit terms and raw streams, in one transfer."""
+    def _row_hidden(self, rows: list[_Row]) -> list[tuple[dict[int, float], Streams, Streams]]:
+        """Each row's hidden-state logit terms, raw last-token streams and raw data-mean
+        streams, in one transfer."""
         if not self.hidden:
-            return [({}, {}) for _ in rows]
+            return [({}, {}, {}) for _ in rows]
         flat: list[torch.Tensor] = []
         for row in rows:
             if row.error is None:
                 flat += [row.hidden[lay].reshape(1) for lay in sorted(row.hidden)]
                 flat += [row.streams[lay] for lay in sorted(row.streams)]
+                flat += [row.mean_streams[lay] for lay in sorted(row.mean_streams)]
         values = torch.cat(flat).tolist() if flat else []
-        out: list[tuple[dict[int, float], dict[int, list[float]]]] = []
+        out: list[tuple[dict[int, float], Streams, Streams]] = []
         offset = 0
         for row in rows:
             terms: dict[int, float] = {}
-            streams: dict[int, list[float]] = {}
+            streams: Streams = {}
+            means: Streams = {}
             if row.error is None:
                 for lay in sorted(row.hidden):
                     terms[lay] = values[offset]
                     offset += 1
-                for lay in sorted(row.streams):
-                    size = row.streams[lay].numel()
-                    streams[lay] = values[offset : offset + size]
-                    offset += size
-            out.append((terms, streams))
+                for target, source in ((streams, row.streams), (means, row.mean_streams)):
+                    for lay in sorted(source):
+                        size = source[lay].numel()
+                        target[lay] = values[offset : offset + size]
+                        offset += size
+            out.append((terms, streams, means))
         return out
 
     def _combine_ranks(
@@ -338,6 +370,7 @@ class Probe:
     pp_size: int = 1
     device: Any = "cpu"
     config: ModelProbeConfig | None = None  # combines head scores into the focus (stops)
+    needs_data_slots: bool = False  # a hidden reader averages over the data tokens
 
 
 def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:
@@ -382,13 +415,15 @@ def install_probe(
     fault_keys: set[str],
     config: ModelProbeConfig | None,
     raw_hidden_layers: list[int] | None = None,
+    raw_data_mean_layers: list[int] | None = None,
 ) -> Probe:
     """Wrap ``impl.forward`` of every attention layer holding one of ``heads`` (global indices;
     this rank scores those among its own query heads); ``config`` combines head scores into the
     focus, for early stops. With tensor parallelism every rank hooks the same layers, also those
     where it holds none of the heads, so all ranks finish a step's probe together (the residual
     stream between layers is the same on every rank). The decoder layers of ``config.hidden``
-    and ``raw_hidden_layers`` (whose whole stream is returned: calibration) are hooked too."""
+    and ``raw_hidden_layers`` / ``raw_data_mean_layers`` (whose whole stream at the last prompt
+    token / averaged over the data tokens is returned: calibration) are hooked too."""
     per_rank = info["num_heads"] // info["tp_size"]
     lo = info["tp_rank"] * per_rank
     # With pipeline parallelism this stage holds some layers only: it scores their heads, and
@@ -416,7 +451,7 @@ def install_probe(
         module.impl.forward = make_probe_forward(probe, layer, runner)
         probe.layers[layer_index] = layer
     probe.last_layer = max(probe.layers, default=-1)
-    install_hidden(probe, runner, info, config, raw_hidden_layers or [])
+    install_hidden(probe, runner, info, config, raw_hidden_layers or [], raw_data_mean_layers or [])
     return probe
 
 

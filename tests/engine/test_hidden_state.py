@@ -1,11 +1,13 @@
 """The hidden-state signal against an independent reference: Hugging Face ``output_hidden_states``.
 
-One multi-process engine on tiny Llama reads the residual stream at the last prompt token of
-layers 0-2 (whole streams, as calibration does) and a config's sparse read-out on layers 1 and 2
-(as serving does), in the same pass as the attention probe. Every request of an 18-request batch
-(chunked prefill: 128 tokens per step; the second pass reads the shared system prompt from the
-prefix cache) must match the streams transformers computes on the same token ids, and the focus
-the worker uses for early stops must be the one the caller computes.
+One multi-process engine on tiny Llama reads the residual stream of layers 0-2 at the last
+prompt token and averaged over the data tokens (whole streams, as calibration does), and a
+config's sparse read-outs on layers 1-3 at both positions (as serving does), in the same pass as
+the attention probe. Every request of an 18-request batch (chunked prefill: 128 tokens per step;
+the second pass serves the prompts, data included, from the prefix cache) must match the streams
+transformers computes on the same token ids, and the focus the worker uses for early stops must
+be the one the caller computes. Requests that share a document in their cached prefix read its
+data tokens' streams from the memo kept next to the KV cache, and still match.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from guardrail.probe.config import ModelProbeConfig
-from tests.helpers import _load, hf_head_stats, mixed_batch
+from tests.helpers import ATTACK, FILLER, SYSTEM, _load, hf_head_stats, mixed_batch
 
 RAW_LAYERS = [0, 1, 2]  # tiny_hidden_engine reads these layers' whole streams
 
@@ -30,40 +32,99 @@ def engine(tiny_hidden_engine: Any) -> Any:
 
 
 @lru_cache(maxsize=64)
-def hf_streams(model_dir: str, token_ids: tuple[int, ...]) -> dict[int, np.ndarray]:
-    """The residual stream after each decoder layer at the last token (HF, float32)."""
+def hf_streams(
+    model_dir: str, token_ids: tuple[int, ...], data_spans: tuple[tuple[int, int], ...]
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """The residual stream after each decoder layer (HF, float32): at the last token, and
+    averaged over the data tokens (no entry without data). Layer 3 is the model's last: HF
+    norms its output, so it is read from a model without the final norm."""
     model = _load(model_dir)
-    with torch.no_grad():
-        out = model(torch.tensor([list(token_ids)]), output_hidden_states=True)
-    # hidden_states[0] is the embedding; [i + 1] the output of layer i (the last one normed)
-    return {i: out.hidden_states[i + 1][0, -1].double().numpy() for i in RAW_LAYERS}
+    norm, model.model.norm = model.model.norm, torch.nn.Identity()
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([list(token_ids)]), output_hidden_states=True)
+    finally:
+        model.model.norm = norm
+    # hidden_states[0] is the embedding; [i + 1] the output of layer i
+    layers = range(len(out.hidden_states) - 1)
+    last = {i: out.hidden_states[i + 1][0, -1].double().numpy() for i in layers}
+    positions = [t for a, b in data_spans for t in range(a, b)]
+    mean = {
+        i: out.hidden_states[i + 1][0, positions].double().mean(0).numpy()
+        for i in layers
+        if positions
+    }
+    return last, mean
+
+
+def check_against_hf(engine: Any, model_dir: Path, outputs: list[Any]) -> None:
+    config = engine.config
+    for out in outputs:
+        probe = out.probe
+        assert out.error is None and probe is not None and probe.error is None, probe
+        p = out.prompt
+        spans = tuple(tuple(s) for s in p.data_spans)
+        last, mean = hf_streams(str(model_dir), tuple(p.token_ids), spans)
+        assert sorted(probe.hidden_states) == RAW_LAYERS
+        assert sorted(probe.data_mean_states) == (RAW_LAYERS if mean else [])
+        for layer in RAW_LAYERS:
+            got = np.asarray(probe.hidden_states[layer])
+            np.testing.assert_allclose(got, last[layer], atol=5e-5, rtol=1e-5)
+            if mean:
+                got = np.asarray(probe.data_mean_states[layer])
+                np.testing.assert_allclose(got, mean[layer], atol=5e-5, rtol=1e-5)
+        want_terms: dict[int, float] = {}
+        for part in config.hidden:
+            stream = last[part.layer] if part.position == "last" else mean.get(part.layer)
+            term = part.project(stream) if stream is not None else 0.0  # no data: no term
+            want_terms[part.layer] = want_terms.get(part.layer, 0.0) + term
+        assert probe.hidden == pytest.approx(want_terms, abs=5e-5)
+        stats = hf_head_stats(
+            str(model_dir), p.token_ids, p.instruction_spans, p.data_spans, config.heads
+        )
+        assert probe.focus == pytest.approx(config.focus(stats, want_terms), abs=5e-5)
 
 
 def test_hidden_streams_and_terms_equal_hf_with_chunked_prefill_and_prefix_cache(
     engine: Any, tiny_llama_dir: Path
 ) -> None:
-    config = engine.config
+    assert {p.position for p in engine.config.hidden} == {"last", "data_mean"}
     batch = mixed_batch()
     assert len(batch) >= 16
     first = engine.generate(batch, engine.sampling(max_tokens=2))
     second = engine.generate(batch, engine.sampling(max_tokens=2))
     assert sum(o.num_cached_tokens for o in second) > 0  # prefix cache in use
     assert max(len(o.prompt.token_ids) for o in first) > 128  # chunked prefill in use
-    for out in first + second:
-        probe = out.probe
-        assert out.error is None and probe is not None and probe.error is None, probe
-        p = out.prompt
-        ref = hf_streams(str(tiny_llama_dir), tuple(p.token_ids))
-        assert sorted(probe.hidden_states) == RAW_LAYERS
-        for layer in RAW_LAYERS:
-            got = np.asarray(probe.hidden_states[layer])
-            np.testing.assert_allclose(got, ref[layer], atol=5e-5, rtol=1e-5)
-        want_terms = {part.layer: part.project(ref[part.layer]) for part in config.hidden}
-        assert probe.hidden == pytest.approx(want_terms, abs=5e-5)
-        stats = hf_head_stats(
-            str(tiny_llama_dir), p.token_ids, p.instruction_spans, p.data_spans, config.heads
-        )
-        assert probe.focus == pytest.approx(config.focus(stats, want_terms), abs=5e-5)
+    # the second pass served data tokens from the cache: the memo had to supply them
+    assert any(
+        o.num_cached_tokens > o.prompt.data_spans[0][0] for o in second if o.prompt.data_spans
+    )
+    check_against_hf(engine, tiny_llama_dir, first + second)
+
+
+def test_data_mean_reads_a_shared_document_from_the_prefix_cache(
+    engine: Any, tiny_llama_dir: Path
+) -> None:
+    """Questions after one tool document: the first request computes the document; the others
+    (sent in a later call) find it in the prefix cache and never recompute its tokens."""
+
+    def chat(question: str) -> list[dict[str, str]]:
+        return [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Read the tool output."},
+            {"role": "tool", "content": FILLER * 6 + ATTACK + " Shared document 7."},
+            {"role": "user", "content": question},
+        ]
+
+    first = engine.generate([chat("Who was paid?")], engine.sampling(max_tokens=1))
+    later = engine.generate(
+        [chat(f"Question {i}: what was the amount?") for i in range(16)],
+        engine.sampling(max_tokens=1),
+    )
+    for out in later:
+        (start, end), *_ = out.prompt.data_spans
+        assert out.num_cached_tokens >= end - 32  # the document's blocks came from the cache
+    check_against_hf(engine, tiny_llama_dir, first + later)
 
 
 def test_hidden_terms_move_the_focus(engine: Any) -> None:

@@ -48,7 +48,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "logistic", "mean_focus", "combined"],
         default="auto",
         help="probe kind to write (auto: the best cross-validated AUROC; combined needs "
-        "--hidden-layers: attention features and the hidden state in one sparse model)",
+        "--hidden-layers and/or --data-mean-layers: attention features and the hidden state "
+        "in one sparse model)",
     )
     parser.add_argument(
         "--feature",
@@ -105,7 +106,7 @@ def probe_config(
         num_heads=max(h[1] for h in heads) + 1,
         hidden_size=hidden_size if kind == "combined" else None,
         source="guardrail calibrate: per-head attention stats"
-        + (" and last-token hidden states" if kind == "combined" else "")
+        + (" and hidden states" if kind == "combined" else "")
         + " from the serving probe",
         calibration=Calibration(
             **provenance, thresholds=probe["thresholds"], notes=probe.get("notes", "")
@@ -188,6 +189,7 @@ def combined_probe(
         feature=args.feature,
         folds=args.folds,
         seed=args.seed,
+        data_mean=table.data_mean,
     )
     sources = [str(p.extra.get("corpus") or p.task) for p in pairs]
     threshold, per_source = worst_source_threshold(fit.oof_focus, labels, sources, args.target_fpr)
@@ -201,7 +203,8 @@ def combined_probe(
         "thresholds": values,
         "cv_auroc": fit.cv_auroc,
         "notes": f"L1 logistic on {fit.feature} of the heads of layers {sorted(layers)} and the "
-        f"hidden state of layers {sorted(table.hidden)}, C={fit.c}; threshold flags at most "
+        f"hidden state of layers {sorted(table.hidden)} (last prompt token) and "
+        f"{sorted(table.data_mean)} (data tokens' mean), C={fit.c}; threshold flags at most "
         f"{args.target_fpr:g} of every corpus' clean rows (out-of-fold focus)",
     }
 
@@ -212,10 +215,12 @@ def run(args: argparse.Namespace, engine: Any) -> int:
     pairs, labelled = read_rows(args, args.exclude_split, False, args.twins_per_row)
     pairs, table, skipped, score_seconds = scores_for(pairs, args, model, "all", engine)
     started = time.perf_counter()
-    if args.probe == "combined" and not table.hidden:
-        raise ConfigError("--probe combined needs --hidden-layers (the layers it reads)")
+    if args.probe == "combined" and not (table.hidden or table.data_mean):
+        raise ConfigError(
+            "--probe combined needs --hidden-layers and/or --data-mean-layers (the layers it reads)"
+        )
     result = _fit(args, pairs, table)
-    if table.hidden:
+    if table.hidden or table.data_mean:
         layers = sorted({layer for layer, _ in result["probes"]["logistic"]["heads"]})
         result["probes"]["combined"] = combined_probe(args, pairs, table, layers)
         if args.probe in ("auto", "combined"):
@@ -223,7 +228,8 @@ def run(args: argparse.Namespace, engine: Any) -> int:
             result["chosen"] = "combined" if args.probe == "combined" else best
     fit_seconds = time.perf_counter() - started
     provenance = _provenance(args, pairs, labelled, skipped, table)
-    hidden_size = next((v.shape[1] for v in table.hidden.values()), None)
+    streams = [*table.hidden.values(), *table.data_mean.values()]
+    hidden_size = next((v.shape[1] for v in streams), None)
     configs = {
         kind: probe_config(probe, kind, model_id, table.heads, provenance, hidden_size)
         for kind, probe in result["probes"].items()

@@ -24,7 +24,7 @@ from guardrail.offline.datasets import (
     sample_groups,
 )
 from guardrail.offline.layouts import request_for
-from guardrail.probe.config import ModelProbeConfig
+from guardrail.probe.config import HiddenPosition, ModelProbeConfig
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey
 
 # -- shared arguments and engine ------------------------------------------------------------
@@ -71,6 +71,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="decoder layers whose residual stream at the last prompt token is read too "
         "(calibrate: the combined probe reads attention and these layers)",
     )
+    parser.add_argument(
+        "--data-mean-layers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="decoder layers whose residual stream averaged over the data tokens is read too "
+        "(calibrate: the combined probe reads these as well)",
+    )
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
@@ -97,6 +105,7 @@ def open_engine(model: str, heads: Sequence[HeadKey] | str, args: argparse.Names
         placeholder,
         probe_heads=heads,
         probe_hidden_layers=list(getattr(args, "hidden_layers", None) or []),
+        probe_data_mean_layers=list(getattr(args, "data_mean_layers", None) or []),
         dtype=args.dtype,
         enforce_eager=True,
         max_model_len=args.max_model_len,
@@ -144,8 +153,10 @@ def score_pairs(
     """
     heads = list(engine.probe_heads)
     hidden_layers = list(getattr(engine, "probe_hidden_layers", []))
+    mean_layers = list(getattr(engine, "probe_data_mean_layers", []))
     keys, values, prompt_tokens, data_tokens = [], [], [], []
     streams: dict[int, list[Any]] = {layer: [] for layer in hidden_layers}
+    means: dict[int, list[Any]] = {layer: [] for layer in mean_layers}
     skipped: list[dict[str, str]] = []
     todo = []
     for pair in pairs:
@@ -173,19 +184,26 @@ def score_pairs(
                 reason = str(out.error or (probe.error if probe else "no probe result"))
                 skipped.append({"id": pair.id, "reason": reason[:160]})
                 continue
+            if any(layer not in probe.data_mean_states for layer in mean_layers):
+                skipped.append({"id": pair.id, "reason": "no data tokens to average"})
+                continue
             keys.append(content_key(pair))
             values.append([probe.head_stats[h] for h in heads])
             for layer in hidden_layers:
                 streams[layer].append(probe.hidden_states[layer])
+            for layer in mean_layers:
+                means[layer].append(probe.data_mean_states[layer])
             prompt_tokens.append(probe.num_prompt_tokens)
             data_tokens.append(out.prompt.num_data_tokens)
         bar.update(len(chunk))
         if checkpoint is not None and start + batch_size < len(todo):
             checkpoint(
-                _table(model, heads, keys, values, prompt_tokens, data_tokens, streams), skipped
+                _table(model, heads, keys, values, prompt_tokens, data_tokens, streams, means),
+                skipped,
             )
     bar.close()
-    return _table(model, heads, keys, values, prompt_tokens, data_tokens, streams), skipped
+    table = _table(model, heads, keys, values, prompt_tokens, data_tokens, streams, means)
+    return table, skipped
 
 
 def _table(
@@ -196,6 +214,7 @@ def _table(
     prompt_tokens: list[int],
     data_tokens: list[int],
     streams: dict[int, list[Any]],
+    means: dict[int, list[Any]],
 ) -> ScoreTable:
     return ScoreTable(
         model,
@@ -207,6 +226,10 @@ def _table(
         hidden={
             layer: np.asarray(rows, dtype=np.float32).reshape(len(keys), -1)
             for layer, rows in streams.items()
+        },
+        data_mean={
+            layer: np.asarray(rows, dtype=np.float32).reshape(len(keys), -1)
+            for layer, rows in means.items()
         },
     )
 
@@ -242,7 +265,15 @@ def scores_for(
                 f"{sorted(cache.hidden)}, not the {wanted_hidden} asked for: use another cache "
                 "file"
             )
+        wanted_means = sorted(getattr(args, "data_mean_layers", None) or [])
+        if not set(wanted_means) <= set(cache.data_mean):
+            raise GuardrailError(
+                f"--scores-cache {args.scores_cache} holds data-mean states of layers "
+                f"{sorted(cache.data_mean)}, not the {wanted_means} asked for: use another "
+                "cache file"
+            )
         args.hidden_layers = sorted(cache.hidden)  # new rows are read like the cached ones
+        args.data_mean_layers = sorted(cache.data_mean)
     found = set(cache.rows(pairs)[0]) if cache is not None else set()
     known_skips = cache.skipped if cache is not None else {}
     skipped = [
@@ -311,19 +342,28 @@ def config_focus(config: ModelProbeConfig, table: ScoreTable) -> np.ndarray:
             f"scores lack heads {missing[:5]} of config {config.model_id!r}; "
             "score with every head (use a fresh --scores-cache)"
         )
-    lacking = [layer for layer in config.hidden_layers if layer not in table.hidden]
-    if lacking:
-        raise ConfigError(
-            f"config {config.model_id!r} reads the hidden state of layers {lacking}, which the "
-            f"scores lack (they hold layers {sorted(table.hidden)}): score with "
-            f"--hidden-layers {' '.join(map(str, config.hidden_layers))} (and a fresh "
-            "--scores-cache)"
-        )
-    cols = [column[h] for h in config.heads]
-    terms = [
-        {part.layer: part.project(table.hidden[part.layer][i]) for part in config.hidden or []}
-        for i in range(len(table.keys))
+    reads: list[tuple[HiddenPosition, dict[int, np.ndarray], str]] = [
+        ("last", table.hidden, "--hidden-layers"),
+        ("data_mean", table.data_mean, "--data-mean-layers"),
     ]
+    for position, held, flag in reads:
+        needed = config.hidden_layers_at(position)
+        lacking = [layer for layer in needed if layer not in held]
+        if lacking:
+            raise ConfigError(
+                f"config {config.model_id!r} reads the hidden state of layers {lacking} at "
+                f"position {position!r}, which the scores lack (they hold layers "
+                f"{sorted(held)}): score with {flag} {' '.join(map(str, needed))} (and a fresh "
+                "--scores-cache)"
+            )
+    cols = [column[h] for h in config.heads]
+    terms: list[dict[int, float]] = []
+    for i in range(len(table.keys)):
+        row: dict[int, float] = {}
+        for part in config.hidden or []:
+            streams = table.hidden if part.position == "last" else table.data_mean
+            row[part.layer] = row.get(part.layer, 0.0) + part.project(streams[part.layer][i])
+        terms.append(row)
     return np.array(
         [
             config.focus(dict(zip(config.heads, row[cols], strict=True)), terms[i])
@@ -333,10 +373,16 @@ def config_focus(config: ModelProbeConfig, table: ScoreTable) -> np.ndarray:
 
 
 def hidden_layers_for(args: argparse.Namespace, configs: Sequence[ModelProbeConfig]) -> None:
-    """Read the hidden layers the configs need, unless ``--hidden-layers`` names them."""
-    needed = sorted({layer for c in configs for layer in c.hidden_layers})
-    if needed and not getattr(args, "hidden_layers", None):
-        args.hidden_layers = needed
+    """Read the hidden layers the configs need, unless ``--hidden-layers`` /
+    ``--data-mean-layers`` name them."""
+    names: list[tuple[HiddenPosition, str]] = [
+        ("last", "hidden_layers"),
+        ("data_mean", "data_mean_layers"),
+    ]
+    for position, name in names:
+        needed = sorted({layer for c in configs for layer in c.hidden_layers_at(position)})
+        if needed and not getattr(args, name, None):
+            setattr(args, name, needed)
 
 
 def count(values: Any) -> dict[str, int]:

@@ -1,13 +1,15 @@
 """The combined probe: attention features and hidden-state features in one sparse linear model.
 
 Pure functions over what the serving probe measured for labelled rows: per-head attention stats
-``[rows, heads, 5]`` and the residual stream at the last prompt token of a few decoder layers
-(``{layer: [rows, hidden_size]}``). Every column is standardised, one L1-penalised logistic
-regression predicts injection from all of them (the penalty keeps few heads and few hidden
-coordinates), and the fit becomes a ``ModelProbeConfig``: head weights folded back to the raw
-feature scale (as the attention-only logistic probe stores them), hidden coordinates kept with
-their standardisation (``HiddenLayerProbe``: ``dims``, ``mean``, ``scale``, ``weights``), so the
-worker computes ``sum(weights * (x[dims] - mean) / scale)`` per layer.
+``[rows, heads, 5]``, the residual stream at the last prompt token of a few decoder layers
+(``{layer: [rows, hidden_size]}``) and, optionally, the stream averaged over the data tokens
+(``data_mean``, same shape; read-outs with ``position="data_mean"``). Every column is
+standardised, one L1-penalised logistic regression predicts injection from all of them (the
+penalty keeps few heads and few hidden coordinates), and the fit becomes a
+``ModelProbeConfig``: head weights folded back to the raw feature scale (as the attention-only
+logistic probe stores them), hidden coordinates kept with their standardisation
+(``HiddenLayerProbe``: ``dims``, ``mean``, ``scale``, ``weights``, ``position``), so the worker
+computes ``sum(weights * (x[dims] - mean) / scale)`` per layer and position.
 
 The penalty strength is chosen by cross-validation over groups (a group's rows never straddle
 folds), and thresholds are set on out-of-fold scores. :func:`worst_source_threshold` sets the
@@ -34,7 +36,7 @@ import numpy as np
 
 from guardrail.offline.calibration import group_folds, standardised_l1_fit, threshold_at_fpr
 from guardrail.offline.evaluation import auroc
-from guardrail.probe.config import HiddenLayerProbe
+from guardrail.probe.config import HiddenLayerProbe, HiddenPosition
 from guardrail.probe.scoring import FEATURES_PER_HEAD, FeatureKind, HeadKey, head_features
 
 __all__ = [
@@ -58,7 +60,7 @@ class CombinedFit:
     heads: list[HeadKey]  # heads with a non-zero weight (one, weighted 0, if none has)
     weights: list[float]  # head-major, raw feature scale
     bias: float
-    hidden: list[HiddenLayerProbe]  # one per layer with a non-zero coordinate
+    hidden: list[HiddenLayerProbe]  # one per (layer, position) with a non-zero coordinate
     feature: FeatureKind
     c: float
     cv_auroc: float
@@ -76,15 +78,28 @@ class CombinedFit:
         }
 
 
+def _streams(
+    hidden: Mapping[int, np.ndarray], data_mean: Mapping[int, np.ndarray] | None
+) -> list[tuple[int, HiddenPosition, np.ndarray]]:
+    """The hidden inputs in column order: last-token layers ascending, then data-mean ones."""
+    out: list[tuple[int, HiddenPosition, np.ndarray]] = [
+        (layer, "last", hidden[layer]) for layer in sorted(hidden)
+    ]
+    out += [(layer, "data_mean", (data_mean or {})[layer]) for layer in sorted(data_mean or {})]
+    return out
+
+
 def feature_matrix(
     stats: np.ndarray,
     hidden: Mapping[int, np.ndarray],
     feature: FeatureKind,
+    data_mean: Mapping[int, np.ndarray] | None = None,
 ) -> np.ndarray:
     """Columns: the heads' features (head-major), then each hidden layer's coordinates in
-    ascending layer order. ``stats [rows, heads, 5]``, ``hidden {layer: [rows, size]}``."""
+    ascending layer order, then each data-mean layer's. ``stats [rows, heads, 5]``,
+    ``hidden`` and ``data_mean`` ``{layer: [rows, size]}``."""
     parts = [head_features(stats, feature)] if stats.shape[1] else []
-    parts += [np.asarray(hidden[layer], dtype=np.float64) for layer in sorted(hidden)]
+    parts += [np.asarray(x, dtype=np.float64) for _, _, x in _streams(hidden, data_mean)]
     return np.concatenate(parts, axis=1)
 
 
@@ -112,9 +127,10 @@ def fit_combined(
     c_grid: Sequence[float] = COMBINED_C_GRID,
     folds: int = 5,
     seed: int = 0,
+    data_mean: Mapping[int, np.ndarray] | None = None,
 ) -> CombinedFit:
     """Fit the combined probe; C by grouped cross-validation (best out-of-fold AUROC)."""
-    x = feature_matrix(stats, hidden, feature)
+    x = feature_matrix(stats, hidden, feature, data_mean)
     y = np.asarray(labels, dtype=int)
     fold_of = group_folds(groups, folds, seed)
     best: tuple[float, float, np.ndarray] | None = None
@@ -137,8 +153,8 @@ def fit_combined(
     bias = b - float(np.dot(w[:n_head_cols], mean[:n_head_cols] / std[:n_head_cols]))
     parts: list[HiddenLayerProbe] = []
     offset = n_head_cols
-    for layer in sorted(hidden):
-        size = np.asarray(hidden[layer]).shape[1]
+    for layer, position, stream in _streams(hidden, data_mean):
+        size = np.asarray(stream).shape[1]
         lw = w[offset : offset + size]
         dims = np.flatnonzero(np.abs(lw) > 1e-9)
         if len(dims):
@@ -149,6 +165,7 @@ def fit_combined(
                     mean=[float(v) for v in mean[offset + dims]],
                     scale=[float(v) for v in std[offset + dims]],
                     weights=[float(v) for v in lw[dims]],
+                    position=position,
                 )
             )
         offset += size
@@ -169,15 +186,18 @@ def combined_focus(
     stats: np.ndarray,
     heads: Sequence[HeadKey],
     hidden: Mapping[int, np.ndarray],
+    data_mean: Mapping[int, np.ndarray] | None = None,
 ) -> np.ndarray:
     """The focus a config made from ``fit`` gives each row (vectorised ``config.focus``):
-    ``stats [rows, heads, 5]`` with column j = ``heads[j]``, ``hidden {layer: [rows, size]}``."""
+    ``stats [rows, heads, 5]`` with column j = ``heads[j]``, ``hidden`` and ``data_mean``
+    ``{layer: [rows, size]}``."""
     column = {tuple(h): j for j, h in enumerate(heads)}
     cols = [column[tuple(h)] for h in fit.heads]
     feats = head_features(stats[:, cols], fit.feature)
     logit = fit.bias + feats @ np.asarray(fit.weights)
     for part in fit.hidden:
-        x = np.asarray(hidden[part.layer], dtype=np.float64)[:, part.dims]
+        streams = hidden if part.position == "last" else (data_mean or {})
+        x = np.asarray(streams[part.layer], dtype=np.float64)[:, part.dims]
         logit = logit + ((x - part.mean) / np.asarray(part.scale)) @ np.asarray(part.weights)
     return focus_from_logit(logit)
 

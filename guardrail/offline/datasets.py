@@ -439,7 +439,8 @@ class ScoreTable:
     Token counts ride along (the length confound check), and ``skipped`` remembers rows that
     could not be scored (content key -> reason). ``hidden`` holds the residual stream at the
     last prompt token of the hidden layers read (layer -> ``[rows, hidden_size]``), empty when
-    none were. Saved as ``.npz`` so calibration and evaluation can reuse one scoring pass; rows
+    none were; ``data_mean`` the stream averaged over the row's data tokens, likewise. Saved as
+    ``.npz`` so calibration and evaluation can reuse one scoring pass; rows
     are matched by :func:`content_key`.
     """
 
@@ -451,6 +452,7 @@ class ScoreTable:
     data_tokens: np.ndarray
     skipped: dict[str, str] = field(default_factory=dict)
     hidden: dict[int, np.ndarray] = field(default_factory=dict)
+    data_mean: dict[int, np.ndarray] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
         skipped = sorted(self.skipped.items())
@@ -464,6 +466,7 @@ class ScoreTable:
             "skipped_keys": np.array([k for k, _ in skipped], dtype=str),
             "skipped_reasons": np.array([r for _, r in skipped], dtype=str),
             **{f"hidden_{layer}": values for layer, values in self.hidden.items()},
+            **{f"data_mean_{layer}": values for layer, values in self.data_mean.items()},
         }
         np.savez_compressed(Path(path), **arrays)  # type: ignore[arg-type]
 
@@ -495,6 +498,11 @@ class ScoreTable:
                     for name in z.files
                     if name.startswith("hidden_")
                 },
+                {
+                    int(name.removeprefix("data_mean_")): z[name]
+                    for name in z.files
+                    if name.startswith("data_mean_")
+                },
             )
 
     def select(self, rows: Sequence[int]) -> ScoreTable:
@@ -507,6 +515,7 @@ class ScoreTable:
             self.prompt_tokens[list(rows)],
             self.data_tokens[list(rows)],
             hidden={layer: values[list(rows)] for layer, values in self.hidden.items()},
+            data_mean={layer: values[list(rows)] for layer, values in self.data_mean.items()},
         )
 
     def rows(self, pairs: Sequence[LabelledPair]) -> tuple[list[int], list[int]]:
@@ -524,6 +533,11 @@ class ScoreTable:
                 f"cannot merge scores read at hidden layers {sorted(other.hidden)} into a cache "
                 f"read at {sorted(self.hidden)}: use another --scores-cache path"
             )
+        if sorted(other.data_mean) != sorted(self.data_mean):
+            raise ConfigError(
+                f"cannot merge scores read at data-mean layers {sorted(other.data_mean)} into a "
+                f"cache read at {sorted(self.data_mean)}: use another --scores-cache path"
+            )
         known = set(self.keys)
         new = [j for j, k in enumerate(other.keys) if k not in known]
         merged = self.select(range(len(self.keys)))
@@ -539,5 +553,9 @@ class ScoreTable:
             {
                 layer: np.concatenate([merged.hidden[layer], extra.hidden[layer]])
                 for layer in self.hidden
+            },
+            {
+                layer: np.concatenate([merged.data_mean[layer], extra.data_mean[layer]])
+                for layer in self.data_mean
             },
         )

@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -165,12 +166,13 @@ def test_calibrate_a_combined_probe_on_the_tiny_model(
     tiny_hidden_engine, tiny_llama_dir, tmp_path, capsys
 ):
     """Attention and hidden state in one sparse model, end to end: the rows are scored once
-    through the serving probe (heads and whole hidden streams), the written config reads the
-    hidden state, and an engine serving it scores every row as the config computes offline."""
+    through the serving probe (heads, whole hidden streams at the last prompt token and averaged
+    over the data tokens), the written config reads the hidden state at both positions, and an
+    engine serving it scores every row as the config computes offline."""
     rows = write_rows(tmp_path / "rows.jsonl", labelled=True)
     cache = tmp_path / "scores.npz"
 
-    def calibrate(*hidden_layers: str) -> list[str]:
+    def calibrate(*hidden_layers: str, means: tuple[str, ...] = ("0", "1", "2")) -> list[str]:
         return [
             "calibrate",
             "--data",
@@ -183,6 +185,8 @@ def test_calibrate_a_combined_probe_on_the_tiny_model(
             "combined",
             "--hidden-layers",
             *hidden_layers,
+            "--data-mean-layers",
+            *means,
             "--scores-cache",
             str(cache),
             "--folds",
@@ -195,21 +199,34 @@ def test_calibrate_a_combined_probe_on_the_tiny_model(
     assert main(calibrate("0", "1", "2"), engine=tiny_hidden_engine) == 0
     config = read_model_config(tmp_path / "cfg" / "llama.json")
     assert config.probe == "logistic" and config.hidden and config.hidden_size == 128
+    assert {p.position for p in config.hidden} == {"last", "data_mean"}
     assert config.calibration is not None and config.calibration.num_examples == len(rows)
     assert any(k.startswith("worst-source fpr@0.01") for k in config.calibration.thresholds)
     table = ScoreTable.load(cache)
     assert sorted(table.hidden) == [0, 1, 2] and table.hidden[0].shape == (len(rows), 128)
+    assert sorted(table.data_mean) == [0, 1, 2] and table.data_mean[1].shape == (len(rows), 128)
+
+    def terms(last: Any, mean: Any) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for p in config.hidden:
+            stream = last[p.layer] if p.position == "last" else mean[p.layer]
+            out[p.layer] = out.get(p.layer, 0.0) + p.project(stream)
+        return out
+
     # the config's focus, computed offline from the cached heads and streams, is what the
     # serving probe gives the same rows
     column = {h: j for j, h in enumerate(table.heads)}
     want = []
     for i in range(len(rows)):
         heads = {h: table.values[i, column[h]] for h in config.heads}
-        terms = {p.layer: p.project(table.hidden[p.layer][i]) for p in config.hidden}
-        want.append(config.focus(heads, terms))
+        row = terms(
+            {k: v[i] for k, v in table.hidden.items()},
+            {k: v[i] for k, v in table.data_mean.items()},
+        )
+        want.append(config.focus(heads, row))
     served = tiny_hidden_engine.score([(r.instruction, r.data) for r in rows])
     for out in served:
-        hidden = {p.layer: p.project(out.probe.hidden_states[p.layer]) for p in config.hidden}
+        hidden = terms(out.probe.hidden_states, out.probe.data_mean_states)
         got = config.focus(out.probe.head_stats, hidden)
         assert got == pytest.approx(want[out.index], abs=1e-4)
     # the same cache asked for other hidden layers is refused with the fix

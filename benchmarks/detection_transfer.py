@@ -188,16 +188,21 @@ class Data:
         self.groups = [r.group for r in rows]
         self.head_cols = [j for j, (lay, _) in enumerate(table.heads) if lay in ATTENTION_LAYERS]
         self.heads = [table.heads[j] for j in self.head_cols]
+        # layers whose data-mean stream (``table.data_mean``) the hidden kinds read too
+        self.data_mean_layers: list[int] = []
 
-    def parts(self, kind: str, index: np.ndarray, layers: Sequence[int]) -> tuple[Any, Any, Any]:
-        """(stats, heads, hidden) of ``index`` for a probe kind."""
+    def parts(
+        self, kind: str, index: np.ndarray, layers: Sequence[int]
+    ) -> tuple[Any, Any, Any, Any]:
+        """(stats, heads, hidden, data_mean) of ``index`` for a probe kind."""
         cols = self.head_cols if kind != "hidden" else []
         stats = self.table.values[index][:, cols]
         heads = [self.table.heads[j] for j in cols]
-        hidden = (
-            {} if kind == "attention" else {lay: self.table.hidden[lay][index] for lay in layers}
-        )
-        return stats, heads, hidden
+        if kind == "attention":
+            return stats, heads, {}, {}
+        hidden = {lay: self.table.hidden[lay][index] for lay in layers}
+        means = {lay: self.table.data_mean[lay][index] for lay in self.data_mean_layers}
+        return stats, heads, hidden, means
 
 
 def fit_kind(data: Data, kind: str, index: np.ndarray, layers: Sequence[int]) -> dict[str, Any]:
@@ -205,7 +210,7 @@ def fit_kind(data: Data, kind: str, index: np.ndarray, layers: Sequence[int]) ->
     calibration source (out-of-fold focus)."""
     from guardrail.offline.combined import fit_combined, worst_source_threshold
 
-    stats, heads, hidden = data.parts(kind, index, layers)
+    stats, heads, hidden, means = data.parts(kind, index, layers)
     fit = fit_combined(
         stats,
         heads,
@@ -215,6 +220,7 @@ def fit_kind(data: Data, kind: str, index: np.ndarray, layers: Sequence[int]) ->
         feature=FEATURE,
         c_grid=C_GRID,
         folds=3,
+        data_mean=means,
     )
     threshold, per_source = worst_source_threshold(
         fit.oof_focus, data.labels[index], data.corpus[index].tolist(), TARGET_FPR
@@ -228,8 +234,8 @@ def focus_for(data: Data, kind: str, model: dict[str, Any], index: np.ndarray) -
 
     if kind == "shipped":
         return config_focus(model["config"], data.table.select(index.tolist()))
-    stats, heads, hidden = data.parts(kind, index, model["layers"])
-    return combined_focus(model["fit"], stats, heads, hidden)
+    stats, heads, hidden, means = data.parts(kind, index, model["layers"])
+    return combined_focus(model["fit"], stats, heads, hidden, means)
 
 
 def measure(labels: np.ndarray, focus: np.ndarray, threshold: float) -> dict[str, Any]:
@@ -282,14 +288,17 @@ def evaluate_all(
     table: Any,
     layers: Sequence[int] | None = None,
     kinds: Sequence[str] | None = None,
+    data_mean_layers: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Every evaluation of the module docstring. ``layers``: the hidden layers (keys of
-    ``table.hidden``) the fitted kinds read; None chooses them on the calibration pool.
+    ``table.hidden``) the fitted kinds read at the last prompt token; None chooses them on the
+    calibration pool. ``data_mean_layers``: keys of ``table.data_mean`` they read too.
     ``kinds``: the probe kinds measured (default ``KINDS``)."""
     from tqdm.auto import tqdm
 
     kinds = list(kinds or KINDS)
     data = Data(rows, table)
+    data.data_mean_layers = list(data_mean_layers)
     pool = np.flatnonzero(data.role == "calibration")
     if layers is None:
         layers, layer_scores = choose_hidden_layers(data, pool)
@@ -299,6 +308,7 @@ def evaluate_all(
     report: dict[str, Any] = {
         "hidden_layer_cv_auroc": layer_scores,
         "hidden_layers": layers,
+        **({"data_mean_layers": list(data_mean_layers)} if data_mean_layers else {}),
         "attention_layers": ATTENTION_LAYERS,
         "rows": {
             f"{c}/{lay}": [
@@ -323,7 +333,10 @@ def evaluate_all(
             entry["cv_auroc"] = round(model["fit"].cv_auroc, 4)
             entry["c"] = model["fit"].c
             entry["heads_kept"] = len(model["fit"].heads)
-            entry["hidden_dims_kept"] = {p.layer: len(p.dims) for p in model["fit"].hidden}
+            entry["hidden_dims_kept"] = {
+                f"{p.layer}" if p.position == "last" else f"{p.layer} {p.position}": len(p.dims)
+                for p in model["fit"].hidden
+            }
             entry["per_source_threshold"] = model["per_source"]
         for corpus in TEST_SOURCES:
             index = np.flatnonzero(data.corpus == corpus)
@@ -427,7 +440,9 @@ def _strip(value: Any) -> Any:
     return value
 
 
-def shipped_config(report: dict[str, Any], data: Data) -> Any:
+def shipped_config(
+    report: dict[str, Any], data: Data, script: str = "detection_transfer.py"
+) -> Any:
     """The combined probe fitted on the whole calibration pool, as a config with provenance."""
     from guardrail.offline.datasets import pairs_sha256
     from guardrail.probe.config import Calibration, ModelProbeConfig
@@ -455,9 +470,15 @@ def shipped_config(report: dict[str, Any], data: Data) -> Any:
         num_heads=9,
         num_kv_heads=3,
         hidden_size=576,
-        source=f"benchmarks/detection_transfer.py: L1 logistic on {FEATURE} of the heads of "
+        source=f"benchmarks/{script}: L1 logistic on {FEATURE} of the heads of "
         f"layers {ATTENTION_LAYERS} and the residual stream at the last prompt token of layers "
-        f"{report['hidden_layers']}, from the serving probe",
+        f"{report['hidden_layers']}"
+        + (
+            f" and averaged over the data tokens of layers {report['data_mean_layers']}"
+            if report.get("data_mean_layers")
+            else ""
+        )
+        + ", from the serving probe",
         calibration=Calibration(
             dataset=dataset,
             num_examples=len(pool),

@@ -32,12 +32,16 @@ from guardrail.guard.async_guarded import AsyncGuardedLLM, GuardedStreamChunk
 from guardrail.guard.decider import DEFAULT_REFUSAL
 from guardrail.metrics.recorder import GuardrailMetrics
 from tests.helpers import (
+    ATTACK,
+    FILLER,
+    SYSTEM,
     assert_heads_match_hf,
     engine_processes,
     live,
     run_close_script,
     shm_mapped,
     start_async_engine,
+    tiny_hidden_config,
 )
 
 T = TypeVar("T")
@@ -509,3 +513,33 @@ def test_an_engine_nobody_closed_is_closed_at_interpreter_exit(
     assert "[shutdown] MPClient: complete" in stdout  # vLLM's own shutdown, to its end
     assert live(report["pids"]) == []
     assert [name for name in report["shm"] if (SHM / name).exists()] == []
+
+
+def test_data_mean_read_out_served_by_the_async_engine_equals_the_offline_engine(
+    tiny_llama_dir: Path, tiny_hidden_engine: Any, run: Any
+) -> None:
+    """A config that reads the data tokens' mean stream, served by ``AsyncLLM``: questions after
+    one shared tool document (read from the prefix cache after the first) score as the offline
+    engine scores them, hidden terms included."""
+
+    def chat(question: str) -> list[dict[str, str]]:
+        return [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Read the tool output."},
+            {"role": "tool", "content": FILLER * 5 + ATTACK},
+            {"role": "user", "content": question},
+        ]
+
+    requests = [chat(f"Question {i}: who was paid?") for i in range(4)]
+    reference = tiny_hidden_engine.generate(requests, sampling())
+    engine = run(start_async_engine(tiny_llama_dir, probe_config=tiny_hidden_config()))
+    try:
+        first = run(engine.generate(requests[:1], sampling()))
+        later = run(engine.generate(requests[1:], sampling()))
+    finally:
+        engine.close()
+    assert all(o.num_cached_tokens > o.prompt.data_spans[0][1] - 32 for o in later)
+    for out, ref in zip(first + later, reference, strict=True):
+        assert out.probe.error is None and ref.probe.error is None
+        assert out.probe.hidden == pytest.approx(ref.probe.hidden, abs=5e-5)
+        assert out.probe.focus == pytest.approx(ref.probe.focus, abs=5e-5)

@@ -310,6 +310,36 @@ def test_a_combined_fit_reads_both_signals_and_its_config_scores_like_the_fit():
         assert config.focus(head_stats, terms) == pytest.approx(vectorised[i], abs=1e-9)
 
 
+def test_a_combined_fit_with_data_mean_inputs_keeps_their_position():
+    """Data-mean streams are fitted as their own columns: a coordinate that carries the
+    injection only in the data's mean stream becomes a ``data_mean`` read-out of that layer,
+    and the config scores each row like the fit (both positions of one layer summed)."""
+    from guardrail.offline.combined import combined_focus, fit_combined
+    from guardrail.probe.config import ModelProbeConfig
+
+    _, stats, heads, hidden, y = _combined_rows()
+    rng = np.random.default_rng(3)
+    means = {5: rng.normal(0, 1, (len(y), 32))}
+    means[5][y == 1, 11] += 2.0
+    groups = [f"g{i // 2}" for i in range(len(y))]
+    fit = fit_combined(
+        stats, heads, hidden, y, groups, c_grid=(0.03, 0.3), folds=3, data_mean=means
+    )
+    by_position = {(p.layer, p.position): p for p in fit.hidden}
+    assert 11 in by_position[(5, "data_mean")].dims
+    assert 7 in by_position[(5, "last")].dims
+    config = ModelProbeConfig(model_id="m", hidden_size=32, **fit.probe_fields())
+    vectorised = combined_focus(fit, stats, heads, hidden, means)
+    column = {h: j for j, h in enumerate(heads)}
+    for i in range(0, len(y), 17):
+        terms: dict[int, float] = {}
+        for p in config.hidden or []:
+            stream = hidden[p.layer][i] if p.position == "last" else means[p.layer][i]
+            terms[p.layer] = terms.get(p.layer, 0.0) + p.project(stream)
+        head_stats = {h: stats[i, column[h]] for h in config.heads}
+        assert config.focus(head_stats, terms) == pytest.approx(vectorised[i], abs=1e-9)
+
+
 def test_the_worst_source_threshold_holds_on_every_source():
     from guardrail.offline.combined import worst_source_threshold
 

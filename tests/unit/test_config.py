@@ -396,7 +396,11 @@ def _hidden(**overrides):
         ({"probe": "logistic", "weights": [0.0], "hidden": _hidden(dims=[3, 3])}, "distinct"),
         (
             {"probe": "logistic", "weights": [0.0], "hidden": _hidden() + _hidden()},
-            "lists a layer twice",
+            "lists a \\(layer, position\\) twice",
+        ),
+        (
+            {"probe": "logistic", "weights": [0.0], "hidden": _hidden(position="first")},
+            "Input should be 'last' or 'data_mean'",
         ),
         (
             {"probe": "logistic", "weights": [0.0], "hidden": _hidden(), "hidden_size": 4},
@@ -437,3 +441,20 @@ def test_hidden_terms_add_to_the_logit():
         cfg.focus({(0, 0): [0.8, 0.2, 0, 0, 0]})
     with pytest.raises(HeadsDoNotFitModelError, match="hidden state of layers \\[1\\]"):
         cfg.check_fits(1, 4)
+
+
+def test_a_layer_read_at_both_positions_adds_one_term_per_layer():
+    """A layer with a last-token and a data-mean read-out: the worker reports the sum of the two
+    terms for the layer, and the focus counts it once."""
+    parts = _hidden() + _hidden(position="data_mean", weights=[0.5, 0.5])
+    cfg = ModelProbeConfig.model_validate(
+        {"model_id": "m", "heads": [[0, 0]], "probe": "logistic", "weights": [0.0], "hidden": parts}
+    )
+    assert cfg.hidden_layers == [1]
+    assert cfg.hidden_layers_at("data_mean") == [1] and cfg.hidden_layers_at("last") == [1]
+    last, mean = np.zeros(8), np.zeros(8)
+    last[0], mean[5] = 2.0, 3.0
+    term = cfg.hidden[0].project(last) + cfg.hidden[1].project(mean)
+    z = term  # bias 0, head weight 0
+    focus = cfg.focus({(0, 0): [0.8, 0.2, 0, 0, 0]}, {1: term})
+    assert focus == pytest.approx(1 - 1 / (1 + math.exp(-z)))

@@ -144,15 +144,17 @@ def test_readme_use_it_on_the_embedded_model() -> None:
 @pytest.mark.slow
 def test_readme_use_it_with_the_shipped_combined_variant() -> None:
     """``probe_config="combined"`` loads the shipped variant by name and runs it on the embedded
-    model (hidden-state read-out and all); the scores are those docs/detection.md reports for
-    the README's emails: benign 0.996, injected 0.872 (allowed: the variant's known miss)."""
+    model (hidden-state read-outs at the last token and over the data tokens); the scores are
+    those docs/detection.md reports for the README's emails: benign 1.000 (allowed), injected
+    0.002 (blocked)."""
     from guardrail.probe.config import load_model_config
 
     lines = use_it_lines(run_example("readme_use_it.py", "--probe-config", "combined"))
     ((benign, benign_focus, _), (injected, injected_focus, _)) = lines
     threshold = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct", "combined").threshold
     assert threshold is not None
-    assert abs(benign_focus - 0.996) <= 0.002 and abs(injected_focus - 0.872) <= 0.002, lines
+    assert abs(benign_focus - 1.0) <= 0.002 and abs(injected_focus - 0.002) <= 0.002, lines
+    assert (benign, injected) == ("allow", "block")
     assert [benign, injected] == [tiered(f, threshold) for f in (benign_focus, injected_focus)]
 
 

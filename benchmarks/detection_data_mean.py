@@ -56,27 +56,6 @@ VARIANTS = {
 KINDS = ("shipped", "combined")
 
 
-def score(rows: list[Any], cache: Path, batch_size: int) -> tuple[list[Any], Any]:
-    """Heads, last-token and data-mean streams of every row through the serving probe."""
-    from guardrail.cli.common import resolve_model, scores_for
-
-    model, _ = resolve_model(None)
-    args = argparse.Namespace(
-        scores_cache=cache,
-        batch_size=batch_size,
-        max_prompt_tokens=2048,
-        max_model_len=4096,
-        max_num_batched_tokens=4096,
-        dtype="float32",
-        seed=0,
-        hidden_layers=LAST_LAYERS,
-        data_mean_layers=SCORED_MEAN_LAYERS,
-    )
-    kept, table, skipped, seconds = scores_for(rows, args, model, "all", None)
-    print(f"scored {len(kept)} rows ({len(skipped)} skipped) in {seconds:.0f} s")
-    return kept, table
-
-
 def parity(kept: list[Any], table: Any, states_path: Path) -> dict[str, Any] | None:
     """Served data-mean (layer 15) against Hugging Face's, on the rows both hold."""
     if not states_path.exists():
@@ -96,11 +75,7 @@ def parity(kept: list[Any], table: Any, states_path: Path) -> dict[str, Any] | N
 
 
 def summary(report: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for kind in KINDS:
-        entry = {c: report["full_pool"][kind][c]["all"] for c in dt.TEST_SOURCES}
-        entry.update({f"{c} left out": v[kind]["all"] for c, v in report["loso"].items()})
-        out[kind] = entry
+    out = dt.summary(report, KINDS)
     out["threshold"] = report["full_pool"]["combined"]["threshold"]
     out["hidden_dims_kept"] = report["full_pool"]["combined"]["hidden_dims_kept"]
     out["heads_kept"] = report["full_pool"]["combined"]["heads_kept"]
@@ -169,7 +144,8 @@ def main() -> None:
     args = parser.parse_args()
     from guardrail.offline.evaluation import plot_roc
 
-    kept, table = score(dt.load_rows(), args.cache, args.batch_size)
+    rows = dt.load_rows()
+    kept, table = dt.score(rows, args.cache, args.batch_size, LAST_LAYERS, SCORED_MEAN_LAYERS)
     check = parity(kept, table, args.states)
     if check is not None and check["max_abs"] > 1e-2:
         raise SystemExit(f"served and Hugging Face data-mean streams differ: {check}")

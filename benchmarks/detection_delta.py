@@ -116,15 +116,6 @@ def hidden_for(variant: str, states: Any) -> dict[int, np.ndarray]:
     }[variant]
 
 
-def summary(report: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for kind in KINDS:
-        entry = {c: report["full_pool"][kind][c]["all"] for c in dt.TEST_SOURCES}
-        entry.update({f"{c} left out": v[kind]["all"] for c, v in report["loso"].items()})
-        out[kind] = entry
-    return out
-
-
 def markdown(results: dict[str, Any], parity: float) -> str:
     out = [
         "# The TaskTracker-style delta and the data's mean stream, smollm2\n",
@@ -178,7 +169,7 @@ def main() -> None:
         table.hidden = hidden_for(variant, states)
         layers = sorted(table.hidden)
         report = dt.evaluate_all(kept, table, layers=layers, kinds=KINDS)
-        results[variant] = summary(report)
+        results[variant] = dt.summary(report, KINDS)
         curves[variant] = {c: report["full_pool"]["combined"][c]["_roc"] for c in dt.TEST_SOURCES}
     plot(curves, dt.ROOT / "docs" / "img")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -141,8 +141,16 @@ def _role(pairs: Sequence[LabelledPair], role: str) -> list[LabelledPair]:
     return list(pairs)
 
 
-def score(rows: Sequence[LabelledPair], cache: Path, batch_size: int) -> tuple[list, Any]:
-    """Heads and hidden streams of every row, from the cache and/or the embedded model."""
+def score(
+    rows: Sequence[LabelledPair],
+    cache: Path,
+    batch_size: int,
+    hidden_layers: Sequence[int] | None = None,
+    data_mean_layers: Sequence[int] = (),
+) -> tuple[list, Any]:
+    """Heads and hidden streams of every row, from the cache and/or the embedded model: the
+    last-token stream of ``hidden_layers`` (default ``HIDDEN_LAYERS``) and the data-mean stream
+    of ``data_mean_layers``."""
     from guardrail.cli.common import resolve_model, scores_for
 
     model, _ = resolve_model(MODEL)
@@ -154,7 +162,8 @@ def score(rows: Sequence[LabelledPair], cache: Path, batch_size: int) -> tuple[l
         max_num_batched_tokens=4096,
         dtype="float32",
         seed=0,
-        hidden_layers=HIDDEN_LAYERS,
+        hidden_layers=list(HIDDEN_LAYERS if hidden_layers is None else hidden_layers),
+        data_mean_layers=list(data_mean_layers),
     )
     kept, table, skipped, seconds = scores_for(rows, args, model, "all", None)
     print(f"scored {len(kept)} rows ({len(skipped)} skipped) in {seconds:.0f} s")
@@ -273,6 +282,17 @@ def choose_hidden_layers(data: Data, pool: np.ndarray) -> tuple[list[int], dict[
         scores[layer] = round(fit_kind(data, "hidden", pool, [layer])["fit"].cv_auroc, 4)
     best = sorted(scores, key=lambda lay: -scores[lay])[:2]
     return sorted(best), scores
+
+
+def summary(report: dict[str, Any], kinds: Sequence[str]) -> dict[str, Any]:
+    """Per kind: the test sets' and each left-out source's metrics (all layouts), from a report
+    of :func:`evaluate_all`."""
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        entry = {c: report["full_pool"][kind][c]["all"] for c in TEST_SOURCES}
+        entry.update({f"{c} left out": v[kind]["all"] for c, v in report["loso"].items()})
+        out[kind] = entry
+    return out
 
 
 def shipped_model() -> dict[str, Any]:

@@ -64,7 +64,9 @@ def test_a_shipped_variant_is_chosen_by_name_and_never_by_default(tmp_path, monk
     assert shipped_variants("Qwen/Qwen2-1.5B-Instruct") == []
     default, combined = resolve_config(smol, None), resolve_config(smol, "combined")
     assert default.hidden is None and default == load_model_config(smol)
-    assert combined.model_id == smol and [p.layer for p in combined.hidden or []] == [15, 18]
+    reads = [(p.layer, p.position) for p in combined.hidden or []]
+    assert combined.model_id == smol
+    assert reads == [(15, "last"), (18, "last"), (15, "data_mean")]
     assert combined.probe == "logistic" and combined.threshold is not None
     assert packaged_model_configs()[smol] == default  # the variant never replaces the default
     with pytest.raises(ModelConfigNotFoundError, match=r"variant 'combined'.*its variants: none"):

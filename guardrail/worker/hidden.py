@@ -24,9 +24,9 @@ scale)`` that is ``x[dims] @ (weights / scale) - sum(weights * mean / scale)``:
   slot never computed in this process (KV loaded by a connector, or cached before install; the
   clients reset the prefix cache at install) makes the term NaN, recorded as the row's error.
 
-Layers asked for by calibration keep whole streams: ``raw_last`` returns the last token's,
-``raw_mean`` the data tokens' mean (its memo holds the whole stream per KV slot,
-``hidden_size`` float32 each: calibration engines only). The hooks share the attention probe's
+Layers asked for by calibration keep whole streams: ``raw_last`` returns the last token's, and
+a ``raw_memo`` (the whole stream per KV slot, ``hidden_size`` float32 each: calibration engines
+only) the data tokens' mean. The hooks share the attention probe's
 plan and rows (``guardrail.worker.probe.Probe``), so both signals come from the same pass and
 the same rows, and the step's results are stored once.
 
@@ -126,21 +126,22 @@ class HiddenReader:
             last_residual = residual.index_select(0, index) if residual is not None else None
             if self.last is not None:
                 last_terms = self.last.project(last_hidden, last_residual) - self.last.offset
+            if self.raw_last:
+                last_streams = last_hidden if last_residual is None else last_hidden + last_residual
+                last_streams = last_streams.float()
         for i, row in enumerate(ok):
             term: torch.Tensor | None = last_terms[i] if self.last is not None else None
             has_data = row.data_slots.numel() > 0
-            if self.memo is not None:  # no data: the read-out adds nothing (term 0)
+            if self.memo is not None and has_data:  # no data: the read-out adds nothing
                 assert self.mean is not None
                 mean = self.memo.index_select(0, row.data_slots).mean() - self.mean.offset
-                mean = mean if has_data else torch.zeros_like(self.mean.offset)
                 term = mean if term is None else term + mean
+            elif self.memo is not None and term is None:
+                term = torch.zeros_like(self.memo[0])
             if term is not None:
                 row.hidden[self.index] = term
             if self.raw_last:
-                stream = last_hidden[i]
-                if last_residual is not None:
-                    stream = stream + last_residual[i]
-                row.streams[self.index] = stream.float()
+                row.streams[self.index] = last_streams[i]
             if self.raw_memo is not None and has_data:  # no data: no mean stream to return
                 row.mean_streams[self.index] = self.raw_memo.index_select(0, row.data_slots).mean(0)
 

@@ -46,6 +46,7 @@ from guardrail.engine.install import (
     check_served_model,
     check_sizes_from_files,
     engine_arguments,
+    engine_probe_config,
     heads_to_score,
 )
 from guardrail.engine.types import (
@@ -68,7 +69,7 @@ from guardrail.errors import (
     GuardrailError,
     RequestError,
 )
-from guardrail.probe.config import ModelProbeConfig, resolve_config
+from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt, RequestLike, prepare_prompt
 from guardrail.probe.scoring import HeadKey
 from guardrail.protocol import (
@@ -195,7 +196,7 @@ class AsyncHookedLLM:
         """Start the engine, install the probe, and check one real request comes back scored."""
         arguments = engine_arguments({"disable_log_stats": True, **engine_kwargs})
         model = model_or_embedded(model)
-        config = resolve_config(str(model), probe_config)
+        config = engine_probe_config(str(model), probe_config, arguments)
         check_sizes_from_files(str(model), config)
         from vllm import AsyncEngineArgs, AsyncLLMEngine
 

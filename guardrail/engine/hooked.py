@@ -31,6 +31,7 @@ from guardrail.engine.install import (
     check_served_model,
     check_sizes_from_files,
     engine_arguments,
+    engine_probe_config,
     heads_to_score,
 )
 from guardrail.engine.steering import ResolvedSteering, SteeringClient
@@ -41,7 +42,7 @@ from guardrail.engine.types import (
 )
 from guardrail.engine.vllm_client import EngineHandle, abort_unfinished
 from guardrail.errors import ConfigError, EngineNotGuardableError, GuardrailError, RequestError
-from guardrail.probe.config import ModelProbeConfig, resolve_config
+from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt, RequestLike, prepare_prompt
 from guardrail.probe.scoring import HeadKey
 from guardrail.protocol import (
@@ -102,7 +103,7 @@ class HookedLLM:
         arguments = engine_arguments(engine_kwargs)
         model = model_or_embedded(model)
         self.model = str(model)
-        self.config = resolve_config(self.model, probe_config)
+        self.config = engine_probe_config(self.model, probe_config, arguments)
         check_sizes_from_files(self.model, self.config)
         from vllm import LLM
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from guardrail.engine.types import GuardedOutput
+from guardrail.engine.vllm_client import EngineHandle
 from guardrail.errors import ConfigError, EngineNotGuardableError
-from guardrail.probe.config import ModelProbeConfig
+from guardrail.probe.config import ModelProbeConfig, resolve_config
 from guardrail.probe.scoring import HeadKey
 from guardrail.protocol import STOP_PROCESSOR, WORKER_EXTENSION, ModelInfo
 
@@ -27,6 +28,7 @@ __all__ = [
     "check_served_model",
     "check_sizes_from_files",
     "engine_arguments",
+    "engine_probe_config",
     "heads_to_score",
 ]
 
@@ -47,6 +49,17 @@ def engine_arguments(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
         "worker_extension_cls": WORKER_EXTENSION,
         "logits_processors": processors,
     }
+
+
+def engine_probe_config(
+    model: str, probe_config: ModelProbeConfig | str | Path | None, engine_kwargs: dict[str, Any]
+) -> ModelProbeConfig:
+    """The probe config for an engine started with ``engine_kwargs``: ``resolve_config``, told
+    whether the engine will run eager (``enforce_eager=True`` given, or the CPU default of
+    ``EngineHandle.start_arguments``); with no config given, an eager engine of the embedded
+    SmolLM2 reads the ``combined`` variant, a compiled one the attention-only default."""
+    eager = EngineHandle.start_arguments(engine_kwargs).get("enforce_eager") is True
+    return resolve_config(model, probe_config, eager=eager)
 
 
 def check_sizes_from_files(model: str, config: ModelProbeConfig) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from guardrail.embedded import model_or_embedded
 from guardrail.engine.async_hooked import AsyncHookedLLM
+from guardrail.engine.install import engine_probe_config
 from guardrail.engine.types import GuardedChunk, GuardedOutput
 from guardrail.errors import (
     ConfigError,
@@ -43,7 +44,7 @@ from guardrail.guard.decider import (
 from guardrail.guard.decider import request_ids as ids_for
 from guardrail.policy.kinds import PerRequestPolicies, Policy, PolicyLike
 from guardrail.policy.verdict import Action, Verdict
-from guardrail.probe.config import ModelProbeConfig, resolve_config
+from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import RequestLike
 
 __all__ = ["AsyncGuardedLLM", "GuardedStreamChunk"]
@@ -127,7 +128,7 @@ class AsyncGuardedLLM:
     ) -> AsyncGuardedLLM:
         """Start an engine and guard it; everything is checked before the engine starts."""
         model = model_or_embedded(model)
-        config = resolve_config(str(model), probe_config)
+        config = engine_probe_config(str(model), probe_config, engine_kwargs)
         decider = Decider(
             config,
             policies,

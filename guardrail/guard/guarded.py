@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from guardrail.embedded import model_or_embedded
+from guardrail.engine.install import engine_probe_config
 from guardrail.engine.types import GuardedOutput, GuardEngine, per_request
 from guardrail.errors import (
     EngineDeadError,
@@ -42,7 +43,7 @@ from guardrail.guard.decider import (
 from guardrail.guard.retry import RetryLoop
 from guardrail.policy.kinds import PerRequestPolicies, Policy, PolicyLike
 from guardrail.policy.verdict import Verdict
-from guardrail.probe.config import ModelProbeConfig, resolve_config
+from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import RequestLike
 from guardrail.steering.spec import Steering
 
@@ -94,7 +95,7 @@ class GuardedLLM:
         from guardrail.engine import HookedLLM
 
         model = model_or_embedded(model)
-        config = resolve_config(str(model), probe_config)
+        config = engine_probe_config(str(model), probe_config, engine_kwargs)
         # Validate everything the user wrote before paying for an engine start.
         self.decider = Decider(
             config,

@@ -74,7 +74,8 @@ class CombinedFit:
             "weights": self.weights,
             "bias": self.bias,
             "feature": self.feature,
-            "hidden": self.hidden,
+            # no hidden coordinate kept: an attention-only config (it also runs compiled)
+            "hidden": self.hidden or None,
         }
 
 

@@ -132,30 +132,20 @@ def test_readme_use_it(tiny_args: TinyArgs) -> None:
 
 @pytest.mark.slow
 def test_readme_use_it_on_the_embedded_model() -> None:
-    """What the README promises: the benign email allowed, the injected one blocked."""
-    (benign, benign_focus, text), (injected, injected_focus, refusal) = use_it_lines(
-        run_example("readme_use_it.py")
-    )
-    assert (benign, injected) == ("allow", "block"), (benign_focus, injected_focus)
-    assert benign_focus > 0.5 and injected_focus < 0.05 and refusal == DEFAULT_REFUSAL
-    assert text.strip()
-
-
-@pytest.mark.slow
-def test_readme_use_it_with_the_shipped_combined_variant() -> None:
-    """``probe_config="combined"`` loads the shipped variant by name and runs it on the embedded
-    model (hidden-state read-outs at the last token and over the data tokens); the scores are
-    those docs/detection.md reports for the README's emails: benign 1.000 (allowed), injected
-    0.002 (blocked)."""
+    """What the README promises: the benign email allowed, the injected one blocked. The engine
+    runs eager, so with no config given it reads the embedded model's ``combined`` variant
+    (hidden-state read-outs at the last token and over the data tokens); the scores are those
+    docs/detection.md reports for the README's emails: benign 1.000, injected 0.002."""
     from guardrail.probe.config import load_model_config
 
-    lines = use_it_lines(run_example("readme_use_it.py", "--probe-config", "combined"))
-    ((benign, benign_focus, _), (injected, injected_focus, _)) = lines
+    lines = use_it_lines(run_example("readme_use_it.py"))
+    ((benign, benign_focus, text), (injected, injected_focus, refusal)) = lines
     threshold = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct", "combined").threshold
     assert threshold is not None
     assert abs(benign_focus - 1.0) <= 0.002 and abs(injected_focus - 0.002) <= 0.002, lines
     assert (benign, injected) == ("allow", "block")
     assert [benign, injected] == [tiered(f, threshold) for f in (benign_focus, injected_focus)]
+    assert refusal == DEFAULT_REFUSAL and text.strip()
 
 
 # -- the quickstart (scripts/demo.sh) ----------------------------------------------------------

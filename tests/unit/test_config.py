@@ -57,7 +57,7 @@ def test_lookup_by_id_and_by_local_directory_name():
         load_model_config("/models/some-other-model")
 
 
-def test_a_shipped_variant_is_chosen_by_name_and_never_by_default(tmp_path, monkeypatch):
+def test_a_shipped_variant_is_chosen_by_name_or_as_the_eager_default(tmp_path, monkeypatch):
     smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert shipped_variants(smol) == ["combined"]
     assert shipped_variants("/models/SmolLM2-135M-Instruct-f32") == ["combined"]
@@ -68,7 +68,13 @@ def test_a_shipped_variant_is_chosen_by_name_and_never_by_default(tmp_path, monk
     assert combined.model_id == smol
     assert reads == [(15, "last"), (18, "last"), (15, "data_mean")]
     assert combined.probe == "logistic" and combined.threshold is not None
-    assert packaged_model_configs()[smol] == default  # the variant never replaces the default
+    assert packaged_model_configs()[smol] == default  # the variant never replaces the file
+    # an eager engine of a model that ships the variant reads it; other models their default
+    assert resolve_config(smol, None, eager=True) == combined
+    assert resolve_config("/models/SmolLM2-135M-Instruct-f32", None, eager=True) == combined
+    qwen = "Qwen/Qwen2-1.5B-Instruct"
+    assert resolve_config(qwen, None, eager=True) == resolve_config(qwen, None)
+    assert resolve_config(smol, "combined", eager=False) == combined  # named: always
     with pytest.raises(ModelConfigNotFoundError, match=r"variant 'combined'.*its variants: none"):
         resolve_config("Qwen/Qwen2-1.5B-Instruct", "combined")
     with pytest.raises(ModelConfigNotFoundError, match=r"its variants: \['combined'\]"):
@@ -460,3 +466,20 @@ def test_a_layer_read_at_both_positions_adds_one_term_per_layer():
     z = term  # bias 0, head weight 0
     focus = cfg.focus({(0, 0): [0.8, 0.2, 0, 0, 0]}, {1: term})
     assert focus == pytest.approx(1 - 1 / (1 + math.exp(-z)))
+
+
+def test_the_engine_arguments_decide_the_default_config():
+    """``engine_probe_config``: what the engine will run decides the default, through the same
+    start arguments the engine gets (on the CPU, eager unless a compile argument is given)."""
+    from guardrail.engine.install import engine_probe_config
+    from vllm.platforms import current_platform
+
+    smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    combined, default = load_model_config(smol, "combined"), load_model_config(smol)
+    assert engine_probe_config(smol, None, {"enforce_eager": True}) == combined
+    assert engine_probe_config(smol, None, {"enforce_eager": False}) == default
+    assert engine_probe_config(smol, None, {"compilation_config": {"mode": 3}}) == default
+    assert engine_probe_config(smol, None, {}) == (
+        combined if current_platform.is_cpu() else default
+    )
+    assert engine_probe_config(smol, "combined", {"enforce_eager": False}) == combined

@@ -461,13 +461,17 @@ def _strip(value: Any) -> Any:
 
 
 def shipped_config(
-    report: dict[str, Any], data: Data, script: str = "detection_transfer.py"
+    report: dict[str, Any],
+    data: Data,
+    script: str = "detection_transfer.py",
+    kind: str = "combined",
 ) -> Any:
-    """The combined probe fitted on the whole calibration pool, as a config with provenance."""
+    """The probe of ``kind`` fitted on the whole calibration pool, as a config with provenance
+    (``combined``: the model's combined variant; ``attention``: its attention-only default)."""
     from guardrail.offline.datasets import pairs_sha256
     from guardrail.probe.config import Calibration, ModelProbeConfig
 
-    model = report["models"]["combined"]
+    model = report["models"][kind]
     fit = model["fit"]
     pool = [r for r in data.rows if r.extra["role"] == "calibration"]
     corpora = sorted({r.extra["corpus"] for r in pool})
@@ -491,11 +495,15 @@ def shipped_config(
         num_kv_heads=3,
         hidden_size=576,
         source=f"benchmarks/{script}: L1 logistic on {FEATURE} of the heads of "
-        f"layers {ATTENTION_LAYERS} and the residual stream at the last prompt token of layers "
-        f"{report['hidden_layers']}"
+        f"layers {ATTENTION_LAYERS}"
+        + (
+            f" and the residual stream at the last prompt token of layers {report['hidden_layers']}"
+            if kind == "combined"
+            else ""
+        )
         + (
             f" and averaged over the data tokens of layers {report['data_mean_layers']}"
-            if report.get("data_mean_layers")
+            if kind == "combined" and report.get("data_mean_layers")
             else ""
         )
         + ", from the serving probe",
@@ -512,6 +520,49 @@ def shipped_config(
             ),
         ),
     )
+
+
+def write_default(rows: Sequence[LabelledPair], table: Any) -> None:
+    """The ``attention`` kind fitted on the whole pool becomes the embedded model's default
+    config (model_configs/SmolLM2-135M-Instruct.json). The written file is then read back and
+    measured through ``config_focus`` (what ``guardrail evaluate`` runs) on the test sets and
+    the calibration sources, next to the configuration it replaces."""
+    from guardrail.cli.common import config_focus
+    from guardrail.probe.config import read_model_config
+
+    data = Data(rows, table)
+    pool = np.flatnonzero(data.role == "calibration")
+    before = shipped_model()
+    report = {"models": {"attention": fit_kind(data, "attention", pool, [])}}
+    config = shipped_config(report, data, kind="attention")
+    path = ROOT / "model_configs" / "SmolLM2-135M-Instruct.json"
+    path.write_text(json.dumps(config.model_dump(mode="json"), indent=1) + "\n")
+    written = read_model_config(path)
+    fit_model = report["models"]["attention"]
+    print(f"wrote {path}: {len(written.heads)} heads, threshold {written.threshold}")
+    for corpus in (*TEST_SOURCES, *CALIBRATION_SOURCES):
+        index = np.flatnonzero(data.corpus == corpus)
+        labels = data.labels[index]
+        fitted = focus_for(data, "attention", fit_model, index)
+        served = config_focus(written, data.table.select(index.tolist()))
+        gap = float(np.max(np.abs(fitted - served)))
+        if gap > 1e-4:
+            raise SystemExit(
+                f"{corpus}: the written config scores differently from the fit ({gap})"
+            )
+        new, old = (
+            measure(labels, served, written.threshold),
+            measure(
+                labels,
+                config_focus(before["config"], data.table.select(index.tolist())),
+                before["threshold"],
+            ),
+        )
+        print(
+            f"{corpus:20} AUROC {old['auroc']} -> {new['auroc']}   clean flagged "
+            f"{old['flagged_clean']} -> {new['flagged_clean']}   caught {old['caught']} -> "
+            f"{new['caught']}"
+        )
 
 
 def write_outputs(report: dict[str, Any], out: Path, img: Path = ROOT / "docs" / "img") -> None:
@@ -555,6 +606,13 @@ def main() -> None:
         help="run the same method on another model (e.g. a tiny random-weight one: the control "
         "that shows what the method gives without a trained model); writes transfer_<name>.*",
     )
+    parser.add_argument(
+        "--write-default",
+        action="store_true",
+        help="fit only the attention-only probe on the pool and write it as the embedded "
+        "model's default config (the one compiled-mode engines read), after checking the "
+        "written file scores the test sets like the fit",
+    )
     args = parser.parse_args()
     if args.control_model:
         configure_control(args.control_model)
@@ -566,6 +624,9 @@ def main() -> None:
     print(json.dumps({"rows": len(rows), "clean/injected": counts}, indent=0)[:3000])
     kept, table = score(rows, args.cache, args.batch_size)
     if args.score_only:
+        return
+    if args.write_default:
+        write_default(kept, table)
         return
     report = evaluate_all(kept, table)
     write_outputs(report, args.out)

@@ -50,7 +50,7 @@ def main() -> None:
         [policies.BLOCK_INJECTIONS, policies.SUSPICIOUS],
         probe_config=args.probe_config,
         dtype="float32",  # fast on CPUs; drop on GPUs
-        enforce_eager=True,  # quick start-up; the probe also runs in vLLM's compiled mode
+        enforce_eager=True,  # quick start-up; compiled mode reads the attention-only config
         max_model_len=2048,
     ) as llm:
         status("engine ready; generating")

@@ -27,9 +27,9 @@ def use_it(model: str | None = None, probe_config: str | None = None) -> None:
     with GuardedLLM(
         model,  # None: the embedded SmolLM2-135M-Instruct
         policies.TIERED,  # block at the model's calibrated threshold, flag a band above it
-        probe_config=probe_config,  # None: the config shipped for the model
+        probe_config=probe_config,  # None: the shipped one (eager engine: "combined")
         dtype="float32",
-        enforce_eager=True,  # quicker start on CPU; the probe works in compiled mode too
+        enforce_eager=True,  # CPU default anyway; compiled mode reads the attention-only config
     ) as llm:
         results = llm.generate(
             [(TASK, BENIGN), (TASK, INJECTED)],  # (trusted instruction, untrusted data)

@@ -54,6 +54,8 @@ VARIANTS = {
     "data_mean": ([], DATA_MEAN_LAYERS),
 }
 KINDS = ("shipped", "combined")
+SHIPPED = "last+data_mean"
+"""The variant written by ``--write-config`` (the embedded model's combined variant)."""
 
 
 def parity(kept: list[Any], table: Any, states_path: Path) -> dict[str, Any] | None:
@@ -74,12 +76,32 @@ def parity(kept: list[Any], table: Any, states_path: Path) -> dict[str, Any] | N
     }
 
 
+def per_layout(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The combined fit's clean rows flagged / injections caught per source and prompt layout
+    (test sets fitted on the pool; each calibration source left out), at the fit's threshold."""
+    out: dict[str, dict[str, Any]] = {}
+    sources = {c: report["full_pool"]["combined"][c] for c in dt.TEST_SOURCES}
+    sources.update({f"{c} left out": v["combined"] for c, v in report["loso"].items()})
+    for name, entry in sources.items():
+        out[name] = {
+            layout: {"flagged_clean": m["flagged_clean"], "caught": m["caught"]}
+            for layout, m in entry.items()
+            if layout in dt.LAYOUTS or layout == "pair"
+        }
+    return out
+
+
 def summary(report: dict[str, Any]) -> dict[str, Any]:
     out = dt.summary(report, KINDS)
+    out["per_layout"] = per_layout(report)
     out["threshold"] = report["full_pool"]["combined"]["threshold"]
     out["hidden_dims_kept"] = report["full_pool"]["combined"]["hidden_dims_kept"]
     out["heads_kept"] = report["full_pool"]["combined"]["heads_kept"]
     return out
+
+
+def _share(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def markdown(results: dict[str, Any], check: dict[str, Any] | None) -> str:
@@ -96,7 +118,10 @@ def markdown(results: dict[str, Any], check: dict[str, Any] | None) -> str:
         f"benchmark's heads; last-token layers {LAST_LAYERS}; data-mean layers "
         f"{DATA_MEAN_LAYERS}; same pool, fits and thresholds as transfer_smollm2.md. Cells: "
         "AUROC / share of clean rows flagged / share of injections caught at the fit's "
-        "threshold. `shipped` is the default attention-only config, for reference.\n",
+        "threshold. `attention-only default` is model_configs/SmolLM2-135M-Instruct.json as it "
+        "ships (what compiled engines read), for reference: it is fitted on the whole pool, so "
+        "its 'left out' cells are in-sample (its left-out figures are transfer_smollm2.md's "
+        "`attention` kind).\n",
     ]
     sources = [s for s in results["last"]["combined"]]
     rows = {
@@ -106,7 +131,7 @@ def markdown(results: dict[str, Any], check: dict[str, Any] | None) -> str:
         }
         for variant in VARIANTS
     }
-    rows["shipped (default)"] = {
+    rows["attention-only default"] = {
         s: f"{m['auroc']:.3f} / {m['flagged_clean']:.3f} / {m['caught']:.2f}"
         for s, m in results["last"]["shipped"].items()
     }
@@ -116,6 +141,19 @@ def markdown(results: dict[str, Any], check: dict[str, Any] | None) -> str:
         for variant in VARIANTS
     }
     out.append("## TPR at 1 % FPR on the held-out sets\n\n" + dt._table(tpr, dt.TEST_SOURCES))
+    layouts = sorted({lay for v in results[SHIPPED]["per_layout"].values() for lay in v})
+    cells = {
+        source: {
+            lay: f"{_share(m['flagged_clean'], 3)} / {_share(m['caught'], 2)}"
+            for lay, m in by_layout.items()
+        }
+        for source, by_layout in results[SHIPPED]["per_layout"].items()
+    }
+    out.append(
+        f"## Per prompt layout, {SHIPPED} (the combined variant as it ships)\n\nCells: share "
+        "of clean rows flagged / share of injections caught at the fit's threshold (rows "
+        "the source has no such layout for are empty).\n\n" + dt._table(cells, layouts)
+    )
     kept = {
         variant: {
             "threshold": round(results[variant]["threshold"], 4),
@@ -175,7 +213,7 @@ def main() -> None:
     if args.write_config:
         data = dt.Data(kept, table)
         data.data_mean_layers = DATA_MEAN_LAYERS
-        config = dt.shipped_config(reports["last+data_mean"], data, "detection_data_mean.py")
+        config = dt.shipped_config(reports[SHIPPED], data, "detection_data_mean.py")
         path = dt.ROOT / "model_configs" / "SmolLM2-135M-Instruct.combined.json"
         path.write_text(json.dumps(config.model_dump(mode="json"), indent=1) + "\n")
         parts = [(p.layer, p.position, len(p.dims)) for p in config.hidden or []]

@@ -55,9 +55,10 @@ DISTRIBUTION = "vllm-guardrail"
 
 # Probe signals are scores in [0, 1], low = likely injection. Thresholds of the shipped and
 # calibrated configs range from ~0.005 to ~0.7 (shipped SmolLM2-135M-Instruct: 0.060, its
-# combined variant 0.030; the reference default: 0.5). From 0.025 to 0.7 no bucket is wider than a fifth of its upper edge
-# (0.005 wide from 0.015 to 0.055), coarser outside: a quantile near any threshold is off by at
-# most half a bucket, about a tenth of the threshold. 38 buckets, plus +Inf.
+# combined variant 0.030; the reference default: 0.5). From 0.025 to 0.7 no bucket is wider
+# than a fifth of its upper edge (0.005 wide from 0.015 to 0.055), coarser outside: a quantile
+# near any threshold is off by at most half a bucket, about a tenth of the threshold. 38
+# buckets, plus +Inf.
 # fmt: off
 SCORE_BUCKETS: tuple[float, ...] = (
     0.0025, 0.005, 0.0075, 0.01,

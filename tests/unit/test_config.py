@@ -471,8 +471,9 @@ def test_a_layer_read_at_both_positions_adds_one_term_per_layer():
 def test_the_engine_arguments_decide_the_default_config():
     """``engine_probe_config``: what the engine will run decides the default, through the same
     start arguments the engine gets (on the CPU, eager unless a compile argument is given)."""
-    from guardrail.engine.install import engine_probe_config
     from vllm.platforms import current_platform
+
+    from guardrail.engine.install import engine_probe_config
 
     smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
     combined, default = load_model_config(smol, "combined"), load_model_config(smol)

@@ -113,7 +113,10 @@ def load_rows(max_bipia_groups: int = 30) -> list[LabelledPair]:
         import sys
 
         maker = ROOT / "benchmarks" / "make_generic_rows.py"
-        command = [sys.executable, str(maker), "--data", *map(str, BIPIA), "--out", str(EVERYDAY)]
+        # crops are drawn per context in file order: the shipped configs' pool was made with
+        # the files in name order (code, email, table), as a shell glob passes them
+        files = sorted(map(str, BIPIA))
+        command = [sys.executable, str(maker), "--data", *files, "--out", str(EVERYDAY)]
         subprocess.run(command, check=True)
     everyday = [p for p in load_pairs(EVERYDAY)[0] if p.group not in held]
     cal = {

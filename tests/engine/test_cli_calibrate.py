@@ -8,7 +8,6 @@ evaluate's numbers are the ones its config computes on the probe's head scores.
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -518,13 +517,29 @@ def bipia_rows() -> list[LabelledPair]:
     return load_pairs(bipia_files())[0]
 
 
-def test_shipped_smollm2_config_is_a_sparse_calibrated_logistic_probe():
-    config = read_model_config(REPO / "model_configs" / "SmolLM2-135M-Instruct.json")
-    config.check_fits(30, 9)
-    assert config.probe == "logistic" and len(config.layers) <= 6
-    assert config.calibration is not None and config.calibration.num_examples > 300
-    assert {"midpoint", "fpr@0.01", "fpr@0.05"} <= set(config.calibration.thresholds)
-    assert config.threshold == config.calibration.thresholds["fpr@0.01"]
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_shipped_smollm2_configs_are_sparse_logistic_probes_with_worst_source_thresholds():
+    """Both shipped SmolLM2 configs (the attention-only default, the combined variant) come
+    from one calibration pool of six sources; each threshold is the lowest of the sources'
+    1 %-FPR thresholds (so it flags at most 1 % of every source's clean rows, out of fold)."""
+    from guardrail.probe.config import load_model_config
+
+    default, combined = load_model_config(SMOLLM2), load_model_config(SMOLLM2, "combined")
+    assert default.hidden is None and combined.hidden
+    for config in (default, combined):
+        config.check_fits(30, 9)
+        assert config.probe == "logistic" and config.feature == "attention_stats"
+        assert len(config.layers) <= 6
+        cal = config.calibration
+        assert cal is not None and cal.num_examples > 3000
+        per_source = {k: v for k, v in cal.thresholds.items() if not k.startswith("worst")}
+        assert len(per_source) == 6, cal.thresholds
+        worst = cal.thresholds["worst-source fpr@0.01"]
+        assert config.threshold == worst == min(per_source.values())
+    assert default.calibration and combined.calibration
+    assert default.calibration.sha256 == combined.calibration.sha256
 
 
 def test_held_out_split_matches_the_data_and_is_disjoint_by_context():
@@ -536,43 +551,31 @@ def test_held_out_split_matches_the_data_and_is_disjoint_by_context():
     assert {len(v) for v in doc["held_out_groups"].values()} == {20, 60}
 
 
-def legacy_sample_groups(pairs, max_groups_per_task, seed):
-    """``sample_groups`` as it was when the shipped config was calibrated: one generator
-    drawing for the tasks in name order (now each task has its own, so other tasks' rows
-    cannot change a task's sample)."""
-    rng, keep = random.Random(seed), set()
-    for task in sorted({p.task for p in pairs}):
-        groups = sorted({p.group for p in pairs if p.task == task})
-        keep.update(rng.sample(groups, min(max_groups_per_task, len(groups))))
-    return [p for p in pairs if p.group in keep]
-
-
 @pytest.mark.slow
-def test_shipped_smollm2_config_hash_is_its_calibration_rows(smollm2_dir, tmp_path):
+def test_shipped_smollm2_configs_hash_is_their_calibration_pool(smollm2_dir, tmp_path, monkeypatch):
+    """The provenance the shipped SmolLM2 configs record is the pool
+    benchmarks/detection_transfer.py builds (rows over 2,048 prompt tokens skipped, as there)."""
     from transformers import AutoTokenizer
 
+    from guardrail.offline.layouts import request_for
+    from guardrail.probe.config import load_model_config
     from guardrail.probe.prompts import prepare_prompt
 
-    config = read_model_config(REPO / "model_configs" / "SmolLM2-135M-Instruct.json")
-    held = read_split(SPLIT)
-    files = bipia_files()  # skips when the shared data is not beside the checkout
-    generic = tmp_path / "bipia_generic.jsonl"  # the everyday-format rows, rebuilt by their script
-    subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "make_generic_rows.py"), "--data"]
-        + [str(f) for f in files]
-        + ["--out", str(generic)],
-        check=True,
-    )
-    pairs = load_pairs([*files, generic])[0]
-    rows = legacy_sample_groups([p for p in pairs if p.group not in held], 60, seed=0)
+    bipia_files()  # skips when the shared data is not beside the checkout
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import detection_transfer as dt
+
+    monkeypatch.setattr(dt, "EVERYDAY", tmp_path / "bipia_generic.jsonl")  # rebuilt by its script
+    pool = [r for r in dt.load_rows() if r.extra["role"] == "calibration"]
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    prompts = [(p, prepare_prompt((p.instruction, p.data), tokenizer)) for p in rows]
-    kept = [(p, prompt) for p, prompt in prompts if len(prompt.token_ids) <= 2048]
-    assert config.calibration is not None
-    assert config.calibration.num_examples == len(kept)
-    assert config.calibration.sha256 == pairs_sha256([p for p, _ in kept])
-    data_tokens = [sum(b - a for a, b in prompt.data_spans) for _, prompt in kept]
-    assert config.calibration.max_data_tokens == max(data_tokens)
+    prepared = [(r, prepare_prompt(request_for(r), tokenizer)) for r in pool]
+    kept = [(r, prompt) for r, prompt in prepared if len(prompt.token_ids) <= 2048]
+    data_tokens = max(sum(b - a for a, b in prompt.data_spans) for _, prompt in kept)
+    for variant in (None, "combined"):
+        cal = load_model_config(SMOLLM2, variant).calibration
+        assert cal is not None
+        assert cal.num_examples == len(kept) and cal.sha256 == pairs_sha256([r for r, _ in kept])
+        assert cal.max_data_tokens == data_tokens
 
 
 def test_evaluate_keeps_two_configs_with_the_same_file_name_apart(tmp_path):

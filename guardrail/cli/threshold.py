@@ -17,12 +17,17 @@ from guardrail.cli.common import (
 from guardrail.errors import ConfigError
 from guardrail.offline.calibration import retarget_threshold
 from guardrail.offline.datasets import load_pairs, pairs_sha256, sample_groups
-from guardrail.probe.config import read_model_config
+from guardrail.probe.config import read_model_config, resolve_config
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--config", type=Path, required=True, help="model config to re-threshold")
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="model config to re-threshold: a JSON file, or the name of a config variant shipped "
+        "for --model (e.g. combined, what eager engines of the embedded SmolLM2 read)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="config file to write")
     parser.add_argument(
         "--target-fpr",
@@ -35,8 +40,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, engine: Any) -> int:
     if not 0.0 <= args.target_fpr < 1.0:
         raise ConfigError(f"--target-fpr must be in [0, 1), got {args.target_fpr}")
-    config = read_model_config(args.config)
     model, _ = resolve_model(args.model)
+    config = resolve_config(model, args.config)
     pairs, _ = load_pairs(args.data)  # unlabelled rows load as label 0: all clean
     if args.max_groups_per_task:
         pairs = sample_groups(pairs, args.max_groups_per_task, args.seed)

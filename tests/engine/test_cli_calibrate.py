@@ -305,6 +305,11 @@ def test_threshold_is_re_set_on_clean_rows_of_the_users_traffic(
         for r in clean
     )
     assert "6 clean rows" in capsys.readouterr().out
+    # a shipped variant by name: the tiny model ships none, and the error says so before scoring
+    named = ["threshold", "--config", "combined", "--out", str(tmp_path / "v.json"), *data]
+    assert main(named, engine=tiny_engine) == 2
+    assert "no shipped probe config variant 'combined'" in capsys.readouterr().err
+    assert not (tmp_path / "v.json").exists()
     # rows without a clean one: a clear error, nothing written
     injected = tmp_path / "attacks.jsonl"
     lines = (tmp_path / "mine.jsonl").read_text().splitlines()

@@ -86,7 +86,7 @@ def per_layout(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         out[name] = {
             layout: {"flagged_clean": m["flagged_clean"], "caught": m["caught"]}
             for layout, m in entry.items()
-            if layout in dt.LAYOUTS or layout == "pair"
+            if layout in dt.LAYOUTS
         }
     return out
 

@@ -546,21 +546,16 @@ def write_default(rows: Sequence[LabelledPair], table: Any) -> None:
     for corpus in (*TEST_SOURCES, *CALIBRATION_SOURCES):
         index = np.flatnonzero(data.corpus == corpus)
         labels = data.labels[index]
+        scores = data.table.select(index.tolist())
         fitted = focus_for(data, "attention", fit_model, index)
-        served = config_focus(written, data.table.select(index.tolist()))
+        served = config_focus(written, scores)
         gap = float(np.max(np.abs(fitted - served)))
         if gap > 1e-4:
             raise SystemExit(
                 f"{corpus}: the written config scores differently from the fit ({gap})"
             )
-        new, old = (
-            measure(labels, served, written.threshold),
-            measure(
-                labels,
-                config_focus(before["config"], data.table.select(index.tolist())),
-                before["threshold"],
-            ),
-        )
+        new = measure(labels, served, written.threshold)
+        old = measure(labels, config_focus(before["config"], scores), before["threshold"])
         print(
             f"{corpus:20} AUROC {old['auroc']} -> {new['auroc']}   clean flagged "
             f"{old['flagged_clean']} -> {new['flagged_clean']}   caught {old['caught']} -> "

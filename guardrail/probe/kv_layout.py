@@ -1,28 +1,29 @@
 """Reading keys back from vLLM's paged KV cache: a small registry of layouts, one per backend.
 
 Prefix caching means a request's shared system prompt is not recomputed: its keys exist only in
-the paged cache. The probe gathers all prompt keys of a request from the cache through its block
-table. The physical layout is the attention backend's business, so each supported layout is one
-function here, registered under the backend it belongs to; an unknown layout is refused at start,
-never guessed.
+the paged cache. The probe gathers the prompt keys of every row it scores in a step from the cache
+at once, by KV slot (``block_table[position // block_size] * block_size + position %
+block_size``, the addressing vLLM's ``slot_mapping`` uses). The physical layout is the attention
+backend's business, so each supported layout is one function here, registered under the backend
+it belongs to; an unknown layout is refused at start, never guessed.
 
-vLLM 0.32 hands every backend a per-layer cache whose *logical* shape is
+vLLM 0.26 (GPU) and 0.32 (CPU) hand every backend a per-layer cache whose *logical* shape is
 [num_blocks, num_kv_heads, block_size, 2 * head_size]; the resolved ``KVCacheLayout`` permutes
 it physically through strides, and a backend's kernels may arrange the bytes inside a block their
 own way (the CPU ``vec`` kernels do).
 
 Adding a layout:
-    1. Write ``def my_keys(kv_cache, block_ids, num_tokens) -> Tensor`` returning the keys of the
-       first ``num_tokens`` tokens of the request whose blocks are ``block_ids`` (in request
-       order), as ``[num_tokens, num_kv_heads, head_size]``.
+    1. Write ``def my_keys(kv_cache, slots) -> Tensor`` returning the keys stored at the KV
+       slots ``slots`` (a long tensor of any shape ``S``), as ``[*S, num_kv_heads, head_size]``:
+       one gather, no Python loop, no host synchronisation.
     2. Decorate it with ``@register_kv_layout("<impl class name>", isa=...)``: the name is
        ``type(attention_layer.impl).__name__`` (e.g. ``"FlashAttentionImpl"``) and ``isa`` the
        ``isa`` attribute vLLM sets on the attention layer (the CPU backend does), or ``None``
        when the layout does not depend on one.
     3. Test it in tests/unit/test_kv_layout.py against a cache allocated by vLLM's own allocator
        and written by the backend's own cache-update code (see the tests there). At run time the
-       worker also checks every scored request: the cached key of the last prompt token must
-       equal the key the layer computed (``score_layer`` in guardrail/worker/probe.py).
+       worker also checks every scored request, on the device: the cached key of the last prompt
+       token must equal the key the layer computed (``guardrail/worker/probe.py``).
 
 Example:
     >>> key_gather_for("CPUAttentionBackendImpl", "vec") is cpu_vec_keys
@@ -35,8 +36,8 @@ from collections.abc import Callable
 
 import torch
 
-KeyGather = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-"""``(kv_cache, block_ids, num_tokens) -> keys [num_tokens, num_kv_heads, head_size]``."""
+KeyGather = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(kv_cache, slots [*S]) -> keys [*S, num_kv_heads, head_size]``."""
 
 _KV_LAYOUTS: dict[tuple[str, str | None], tuple[KeyGather, str]] = {}
 
@@ -53,7 +54,7 @@ def register_kv_layout(
 
     Example:
         >>> @register_kv_layout("DocExampleImpl", note="doctest only")
-        ... def example_keys(kv_cache, block_ids, num_tokens):
+        ... def example_keys(kv_cache, slots):
         ...     return kv_cache
         >>> key_gather_for("DocExampleImpl", None) is example_keys
         True
@@ -83,31 +84,28 @@ def _describe(backend_name: str, isa: str | None) -> str:
     note="vLLM's CPU backend on x86 (on CPUs with AMX: dtype not bfloat16), block size and head "
     "size multiples of 32",
 )
-def cpu_vec_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Keys from vLLM's CPU attention cache (ISA ``vec``), as [num_tokens, kv_heads, dim].
+def cpu_vec_keys(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Keys from vLLM's CPU attention cache (ISA ``vec``) at ``slots``, as [*S, kv_heads, dim].
 
     The CPU kernels store, per (block, kv head), the keys first as a transposed [dim, block_size]
     tile (so a query multiplies a contiguous tile), then the values. The CPU backend accepts only
     the ``LBHNC`` layout, where each (block, kv head) plane is contiguous. Checked against the
     keys the layer computed, not assumed: the worker compares, on every scored request, the cached
-    key of the last prompt token with the key the layer computed (``score_layer`` in
-    guardrail/worker/probe.py), the engine parity tests (tests/engine/test_engine.py) compare
-    scores read through the prefix cache with Hugging Face, and tests/unit/test_kv_layout.py
-    reads back keys written by vLLM's own CPU cache-update op.
+    key of the last prompt token with the key the layer computed (guardrail/worker/probe.py),
+    the engine parity tests (tests/engine/test_engine.py) compare scores read through the prefix
+    cache with Hugging Face, and tests/unit/test_kv_layout.py reads back keys written by vLLM's
+    own CPU cache-update op.
 
     Example:
         >>> cache = torch.zeros(4, 1, 2, 2 * 3)  # 4 blocks, 1 kv head, block 2, dim 3
-        >>> cpu_vec_keys(cache, torch.tensor([2, 0]), 3).shape
-        torch.Size([3, 1, 3])
+        >>> cpu_vec_keys(cache, torch.tensor([[4, 5, 0]])).shape
+        torch.Size([1, 3, 1, 3])
     """
     num_blocks, kv_heads, block_size, two_dims = kv_cache.shape
     dim = two_dims // 2
-    tiles = kv_cache.view(num_blocks, kv_heads, 2 * block_size * dim)[
-        block_ids, :, : block_size * dim
-    ]
-    tiles = tiles.view(len(block_ids), kv_heads, dim, block_size)
-    keys = tiles.permute(0, 3, 1, 2).reshape(len(block_ids) * block_size, kv_heads, dim)
-    return keys[:num_tokens]
+    tiles = kv_cache.view(num_blocks, kv_heads, 2, dim, block_size)
+    # Advanced indices on dims 0 and 4, split by slices: the result is [*S, kv_heads, dim].
+    return tiles[slots // block_size, :, 0, :, slots % block_size]
 
 
 @register_kv_layout(
@@ -115,10 +113,8 @@ def cpu_vec_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: in
     note="vLLM's FlashAttention backend on GPU (--attention-backend FLASH_ATTN), any KV cache "
     "layout",
 )
-def flash_attn_keys(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
-) -> torch.Tensor:
-    """Keys from the FlashAttention (GPU) cache, as [num_tokens, kv_heads, dim].
+def flash_attn_keys(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Keys from the FlashAttention (GPU) cache at ``slots``, as [*S, kv_heads, dim].
 
     FlashAttention reads the logical [blocks, kv_heads, block_size, 2 * dim] cache as
     ``kv_cache.transpose(1, 2).split(dim, -1)``: keys are the first ``dim`` channels of each
@@ -126,14 +122,12 @@ def flash_attn_keys(
 
     Example:
         >>> cache = torch.zeros(4, 2, 16, 2 * 8)
-        >>> flash_attn_keys(cache, torch.tensor([3]), 10).shape
+        >>> flash_attn_keys(cache, torch.arange(10)).shape
         torch.Size([10, 2, 8])
     """
-    _, kv_heads, block_size, two_dims = kv_cache.shape
-    dim = two_dims // 2
-    keys = kv_cache[block_ids][..., :dim]  # [blocks, kv_heads, block_size, dim]
-    keys = keys.permute(0, 2, 1, 3).reshape(len(block_ids) * block_size, kv_heads, dim)
-    return keys[:num_tokens]
+    block_size, dim = kv_cache.shape[2], kv_cache.shape[3] // 2
+    # Advanced indices on dims 0 and 2, split by a slice: the result is [*S, kv_heads, 2 * dim].
+    return kv_cache[slots // block_size, :, slots % block_size][..., :dim]
 
 
 def key_gather_for(backend_name: str, isa: str | None) -> KeyGather:

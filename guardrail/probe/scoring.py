@@ -73,6 +73,46 @@ def head_attention_stats(
     return torch.stack([on_instruction, data_mass, attn[:, 0], data_max, entropy], dim=-1)
 
 
+def batched_attention_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    valid: torch.Tensor,
+    instruction_mask: torch.Tensor,
+    data_mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """:func:`head_attention_stats` for many requests at once, padded: a few kernels, no loop.
+
+    Shapes: q [rows, heads, dim] (each row's last-prompt-token query, scored heads only); k
+    [rows, tokens, heads, dim] (each row's keys, already gathered per scored head, padded to
+    the longest row); valid, instruction_mask, data_mask [rows, tokens] bool (padding is not
+    valid, and is in neither span). Returns [rows, heads, 5] float32, equal to
+    :func:`head_attention_stats` row by row (up to float summation order).
+
+    Example:
+        >>> q = torch.zeros(2, 1, 4); k = torch.zeros(2, 3, 1, 4)
+        >>> valid = torch.tensor([[True, True, True], [True, True, False]])
+        >>> m_i = torch.tensor([[True, False, False], [True, False, False]])
+        >>> m_d = torch.tensor([[False, True, True], [False, True, False]])
+        >>> batched_attention_stats(q, k, valid, m_i, m_d, 0.5)[:, 0].round(decimals=4) + 0.0
+        tensor([[0.3333, 0.6667, 0.3333, 0.3333, 1.0000],
+                [0.5000, 0.5000, 0.5000, 0.5000, 0.0000]])
+    """
+    logits = torch.einsum("rhd,rthd->rht", q.float(), k.float()) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    attn = torch.softmax(logits, dim=-1)  # [rows, heads, tokens]
+    on_data = attn * data_mask[:, None, :]
+    data_mass = on_data.sum(-1)
+    num_data = data_mask.sum(-1, keepdim=True)  # [rows, 1]
+    share = on_data / (data_mass[..., None] + EPS)
+    entropy = -(share * torch.log(share + 1e-12)).sum(-1) / torch.log(num_data.clamp(min=2))
+    on_instruction = (attn * instruction_mask[:, None, :]).sum(-1)
+    return torch.stack([on_instruction, data_mass, attn[..., 0], on_data.amax(-1), entropy], dim=-1)
+
+
 def focus_of(stats: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     """Focus from attention stats (last axis :data:`ATTENTION_STATS`): I / (I + D + 1e-8).
 

@@ -134,7 +134,7 @@ class GuardrailWorkerExtension:
         probe = self._guardrail_probe
         if probe is None:
             return {}
-        return {k: probe.results.pop(k) for k in keys if k in probe.results}
+        return probe.pop(keys)
 
     def guardrail_set_faults(self, keys: list[str]) -> None:
         """Testing hook: requests with these probe keys fail inside the probe."""

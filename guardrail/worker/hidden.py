@@ -38,7 +38,6 @@ layers is the same on every rank; with pipeline parallelism each stage reads the
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +45,7 @@ import torch
 
 from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
 from guardrail.worker.forward import decoder_layers, step_metadata
+from guardrail.worker.rows import SLOT, StepRows
 
 __all__ = ["HiddenReader", "Readout", "install_hidden", "make_hidden_hook"]
 
@@ -112,38 +112,43 @@ class HiddenReader:
             stream = hidden if residual is None else hidden + residual
             self.raw_memo.index_copy_(0, slots, stream.float())
 
-    def read(
-        self, rows: Sequence[Any], hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> None:
-        """Each row's logit term (the sum of this layer's read-outs) and raw streams, from the
-        layer's output and the memo, kept on the device."""
-        ok = [r for r in rows if r.error is None]
-        if not ok:
+    def read(self, rows: StepRows, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """Every scored row's logit term (the sum of this layer's read-outs) and raw streams,
+        from the layer's output and the memo: a few gathers for the whole step, on the device."""
+        if not rows.scored:
             return
+        assert rows.token_rows is not None and rows.data is not None and rows.slots is not None
+        term: torch.Tensor | None = None
         if self.last is not None or self.raw_last:
-            index = torch.tensor([r.token_row for r in ok], device=hidden.device)
-            last_hidden = hidden.index_select(0, index)
-            last_residual = residual.index_select(0, index) if residual is not None else None
+            last = hidden.index_select(0, rows.token_rows)
+            if residual is not None:
+                last = last + residual.index_select(0, rows.token_rows)
             if self.last is not None:
-                last_terms = self.last.project(last_hidden, last_residual) - self.last.offset
+                term = self.last.project(last, None) - self.last.offset
             if self.raw_last:
-                last_streams = last_hidden if last_residual is None else last_hidden + last_residual
-                last_streams = last_streams.float()
-        for i, row in enumerate(ok):
-            term: torch.Tensor | None = last_terms[i] if self.last is not None else None
-            has_data = row.data_slots.numel() > 0
-            if self.memo is not None and has_data:  # no data: the read-out adds nothing
-                assert self.mean is not None
-                mean = self.memo.index_select(0, row.data_slots).mean() - self.mean.offset
-                term = mean if term is None else term + mean
-            elif self.memo is not None and term is None:
-                term = torch.zeros_like(self.memo[0])
-            if term is not None:
-                row.hidden[self.index] = term
-            if self.raw_last:
-                row.streams[self.index] = last_streams[i]
-            if self.raw_memo is not None and has_data:  # no data: no mean stream to return
-                row.mean_streams[self.index] = self.raw_memo.index_select(0, row.data_slots).mean(0)
+                rows.streams[self.index] = last.float()
+        if self.memo is not None or self.raw_memo is not None:
+            count = rows.data.sum(1)  # [K] data tokens per row
+            denominator = count.clamp(min=1)
+        if self.memo is not None:
+            assert self.mean is not None
+            values = torch.where(rows.data, self.memo[rows.slots], 0.0)  # never-written: NaN
+            mean = torch.where(count > 0, values.sum(1) / denominator - self.mean.offset, 0.0)
+            term = mean if term is None else term + mean  # no data: the read-out adds nothing
+        if term is not None:
+            rows.terms[self.index] = term
+        if self.raw_memo is not None:
+            streams = torch.where(rows.data[..., None], self.raw_memo[rows.slots], 0.0)
+            rows.mean_streams[self.index] = streams.sum(1) / denominator[:, None]
+
+
+def check_slots(rows: StepRows, slot_mapping: torch.Tensor) -> None:
+    """Flag rows whose last prompt token's KV slot, from the block table, is not the slot vLLM
+    wrote it to: the memo would then be read at the wrong places."""
+    if rows.scored:
+        assert rows.token_rows is not None and rows.last_slots is not None
+        written = slot_mapping.index_select(0, rows.token_rows).long()
+        rows.flag(SLOT, written != rows.last_slots)
 
 
 def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
@@ -161,10 +166,11 @@ def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
             if reader.remembers:  # every step: the memo mirrors the KV cache
                 reader.remember(hidden, residual, metadata.slot_mapping)
             if probe.plan(runner, context, metadata):
+                if probe.needs_data_slots:
+                    check_slots(probe.rows, metadata.slot_mapping)
                 reader.read(probe.rows, hidden, residual)
         except Exception as exc:  # recorded for the step's rows
-            for row in probe.rows:
-                row.error = row.error or f"hidden layer {reader.index}: {type(exc).__name__}: {exc}"
+            probe.rows.fail_all(f"hidden layer {reader.index}: {type(exc).__name__}: {exc}")
         probe.probe_seconds += time.perf_counter() - started
         if probe.rows and probe.finish_on_hidden and reader.index == probe.last_layer:
             probe.finish_step()

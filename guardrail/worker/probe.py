@@ -21,19 +21,28 @@ probe's step plan and rows (``guardrail.worker.hidden``).
 
 from __future__ import annotations
 
-import math
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from guardrail.probe.config import ModelProbeConfig
+from guardrail.probe.device_focus import DeviceFocus
 from guardrail.probe.kv_layout import KeyGather, key_gather_for
-from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, head_attention_stats, spans_to_mask
-from guardrail.protocol import MAX_STORED_RESULTS, PROBE_ARG, ProbeResultData, ProbeSpec
+from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, batched_attention_stats
+from guardrail.protocol import MAX_STORED_RESULTS, PROBE_ARG, ProbeResultData
 from guardrail.worker.hidden import HiddenReader, install_hidden
+from guardrail.worker.rows import (
+    FLAG_MESSAGES,
+    LAYOUT,
+    NONFINITE,
+    OTHER_RANK,
+    StepRows,
+    batch_layout,
+    plan_rows,
+)
 
 __all__ = [
     "PROBES",
@@ -44,66 +53,121 @@ __all__ = [
     "uninstall_probe",
 ]
 
-Streams = dict[int, list[float]]  # layer -> a raw stream
-
 PROBES: dict[int, Probe] = {}
 """The probe of each engine in this process, by id() of the engine's VllmConfig: the stop
 logits processor (``guardrail.worker.stop``) is built by vLLM before the probe is installed,
 and finds it here."""
 
+WIDTH = len(ATTENTION_STATS)
+CHUNK_ELEMENTS = 1 << 26
+"""Rows are scored in chunks whose float32 key copy stays under this many elements (256 MiB)."""
 
-def _no_gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+
+def _no_gather(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("probe has no hooked layer")
-
-
-@dataclass
-class _Row:
-    """One request being scored in the current step."""
-
-    key: str
-    token_row: int  # row of the last prompt token in the step's flattened batch
-    num_prompt_tokens: int
-    block_ids: torch.Tensor
-    instruction_mask: torch.Tensor
-    data_mask: torch.Tensor
-    scores: list[torch.Tensor] = field(default_factory=list)
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> logit term, 0-d
-    streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> raw stream
-    mean_streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> data mean
-    data_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-    error: str | None = None
-    stop_below: float | None = None
-    stop_on_error: bool = True
 
 
 @dataclass
 class Layer:
     index: int
     local_heads: torch.Tensor  # query heads of this rank to score, local indices
+    kv_heads: torch.Tensor  # the kv head each of them reads (GQA), local indices
     global_heads: list[int]
     impl: Any
     original_forward: Any
     had_instance_forward: bool
 
 
-class Probe:
-    """Probe state of one worker: hooked layers, the current step's plan, finished results."""
+@dataclass
+class Stops:
+    """The step's early-stop decision, on the device, for the stop logits processor."""
 
-    def __init__(self, heads: list[tuple[int, int]], fault_keys: set[str]) -> None:
+    batch_index: list[int]  # host: the rows' indices in the batch (= logits rows)
+    index: torch.Tensor  # [R] the same, on the device
+    tokens: torch.Tensor  # [R] each row's stop token
+    stop: torch.Tensor  # [R] bool: force the stop token
+
+
+@dataclass
+class _Finished:
+    """One step's results on their way to the host: a non-blocking copy and its event."""
+
+    rows: StepRows
+    table: torch.Tensor  # [K, columns] float64 on the host (pinned on CUDA)
+    event: Any  # torch.cuda.Event, or None on CPU
+    columns: dict[str, slice]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """What the probe needs to know about the engine, fixed at install."""
+
+    block_size: int
+    local_num_heads: int
+    tp_size: int = 1
+    pp_size: int = 1
+    device: Any = "cpu"
+
+
+class Probe:
+    """Probe state of one worker: hooked layers, the current step's rows, finished results.
+
+    Per step: ``plan`` (first hooked layer: host facts, device tensors), ``score_layer`` per
+    hooked attention layer (a few kernels for all rows and heads), ``HiddenReader.read`` per
+    read decoder layer, ``finish_step`` after the last (focus and stops on the device, one
+    non-blocking copy). ``pop`` hands results to the caller, waiting for those copies.
+    """
+
+    def __init__(
+        self,
+        heads: list[tuple[int, int]],
+        fault_keys: set[str],
+        settings: ProbeSettings,
+        config: ModelProbeConfig | None,
+    ) -> None:
         self.heads = heads
+        self.settings = settings
+        self.config = config  # combines head scores into the focus (stops)
         self.layers: dict[int, Layer] = {}
         self.hidden: dict[int, HiddenReader] = {}
         self.last_layer = -1  # the step's probe finishes after this layer's attention ...
         self.finish_on_hidden = False  # ... or after this decoder layer's output
+        self.needs_data_slots = False  # a hidden reader averages over the data tokens
         self.gather: KeyGather = _no_gather
         self.results: OrderedDict[str, ProbeResultData] = OrderedDict()
+        self.finished: deque[_Finished] = deque()
         # internal request id -> probe key while the request still waits for its score, else None
         self.pending: dict[str, str | None] = {}
         self.fault_keys = fault_keys
-        self.stop_keys: set[str] = set()  # keys whose next sampled token must be the stop token
+        self.stops: Stops | None = None  # read once by the stop logits processor
+        self.focus: DeviceFocus | None = None  # built by ``ready`` once every layer is hooked
+        self.term_layers: list[int] = []
         self._step: object = None
-        self.rows: list[_Row] = []
+        self.rows = StepRows()
         self.probe_seconds = 0.0
+        self.dispatcher: Any = None  # vLLM's CUDA-graph dispatcher, while wrapped
+
+    def ready(self) -> None:
+        """Called once the layers are hooked: fixes the table layout and the device focus."""
+        self.term_layers = sorted(
+            i for i, r in self.hidden.items() if r.last is not None or r.mean is not None
+        )
+        config = self.config
+        if config is not None and self.settings.pp_size == 1:
+            self.focus = DeviceFocus(config, self.table_heads, self.term_layers, self.device)
+
+    @property
+    def device(self) -> Any:
+        return self.settings.device
+
+    @property
+    def table_heads(self) -> list[HeadKey]:
+        """The heads of the step's stats table, in column order (every rank's heads with tensor
+        parallelism, once the ranks combined)."""
+        if self.settings.tp_size > 1:
+            return list(self.heads)
+        return [(lay.index, h) for lay in self.layers.values() for h in lay.global_heads]
 
     # -- step planning -------------------------------------------------------------------------
     def _probe_key(self, runner: Any, req_id: str) -> str | None:
@@ -116,261 +180,285 @@ class Probe:
                 self.pending = {r: k for r, k in self.pending.items() if r in runner.requests}
         return self.pending[req_id]
 
-    def plan(self, runner: Any, step: object, metadata: Any) -> list[_Row]:
+    def awaits_score(self, runner: Any) -> bool:
+        """Whether a request of the current batch still waits for its score (then the step must
+        run the probe's Python code: no full CUDA graph)."""
+        return any(self._probe_key(runner, rid) for rid in runner.input_batch.req_ids)
+
+    def plan(self, runner: Any, step: object, metadata: Any) -> StepRows:
         """Rows to score in this step: guarded requests whose last prompt token is computed now.
 
         ``step`` is the step's forward context: one object per model step, shared by all layers.
         """
         if step is self._step:
             return self.rows
-        self._step, self.rows = step, []
+        self._step, self.rows = step, StepRows()
         self.probe_seconds = 0.0
+        self.stops = None
         batch_ids = runner.input_batch.req_ids
         pending = [(i, rid) for i, rid in enumerate(batch_ids) if self._probe_key(runner, rid)]
         if not pending:
             return self.rows
-        starts = metadata.query_start_loc.tolist()
-        seq_lens = metadata.seq_lens.tolist()
+        starts, computed = batch_layout(runner, metadata)
+        found = []
         for i, rid in pending:
             state = runner.requests[rid]
-            num_prompt = state.num_prompt_tokens
-            first_pos = seq_lens[i] - (starts[i + 1] - starts[i])
-            if not first_pos <= num_prompt - 1 < seq_lens[i]:
+            last = state.num_prompt_tokens - 1
+            first = int(computed[i])
+            if not first <= last < first + int(starts[i + 1] - starts[i]):
                 continue  # last prompt token not in this step (earlier chunk, or decode)
             self.pending[rid] = None  # scored once, even if preempted and recomputed later
-            self.rows.append(
-                self._make_row(state, i, starts[i] + num_prompt - 1 - first_pos, metadata)
-            )
+            found.append((i, int(starts[i]) + last - first, state))
+        if found:
+            first_layer = min(self.layers, default=min(self.hidden, default=0))
+            fault = f"layer {first_layer}: RuntimeError: fault injected for testing"
+            self.rows = plan_rows(found, metadata, self.settings.block_size, self.fault_keys, fault)
         return self.rows
-
-    def _make_row(self, state: Any, batch_index: int, token_row: int, metadata: Any) -> _Row:
-        spec: ProbeSpec = state.sampling_params.extra_args[PROBE_ARG]
-        n = state.num_prompt_tokens
-        device = metadata.block_table.device
-        row = _Row(
-            spec["key"],
-            token_row,
-            n,
-            torch.empty(0),
-            torch.empty(0),
-            torch.empty(0),
-            stop_below=spec.get("stop_below"),
-            stop_on_error=spec.get("stop_on_error", True),
-        )
-        try:
-            block_size = self.block_size
-            row.block_ids = metadata.block_table[batch_index, : (n + block_size - 1) // block_size]
-            row.instruction_mask = spans_to_mask(
-                [(a, b) for a, b in spec["instruction"]], n, device
-            )
-            row.data_mask = spans_to_mask([(a, b) for a, b in spec["data"]], n, device)
-            if spec.get("num_prompt_tokens", n) != n:
-                raise ValueError(
-                    f"engine saw {n} prompt tokens, request spans were made for "
-                    f"{spec['num_prompt_tokens']}"
-                )
-            if self.needs_data_slots:
-                row.data_slots = self._data_slots(row, metadata)
-        except Exception as exc:  # recorded for this request, never raised into the engine
-            row.error = f"plan: {type(exc).__name__}: {exc}"
-        return row
-
-    def _data_slots(self, row: _Row, metadata: Any) -> torch.Tensor:
-        """The KV slots of the request's data tokens (where the hidden memo holds their
-        projections), checked against the slot vLLM wrote the last prompt token to."""
-        bs = self.block_size
-        positions = torch.arange(row.num_prompt_tokens, device=row.data_mask.device)
-        positions = positions[row.data_mask]
-        slots = row.block_ids.long()[positions // bs] * bs + positions % bs
-        last = row.num_prompt_tokens - 1
-        expected = int(row.block_ids[last // bs]) * bs + last % bs
-        if expected != int(metadata.slot_mapping[row.token_row]):
-            raise RuntimeError(
-                "KV slot layout check failed: the last prompt token's slot from the block table "
-                "differs from the slot vLLM wrote it to"
-            )
-        return slots
 
     # -- per layer -----------------------------------------------------------------------------
     def score_layer(
         self, layer: Layer, query: torch.Tensor, kv_cache: torch.Tensor, key: torch.Tensor
     ) -> None:
-        for row in self.rows:
-            if row.error is not None:
-                continue
-            try:
-                if row.key in self.fault_keys:
-                    raise RuntimeError("fault injected for testing")
-                if not layer.global_heads:  # hooked only to finish in step with the other ranks
-                    width = len(ATTENTION_STATS)
-                    row.scores.append(query.new_empty((0, width), dtype=torch.float32))
-                    continue
-                keys = self.gather(kv_cache, row.block_ids, row.num_prompt_tokens)
-                if not torch.allclose(keys[-1], key[row.token_row], rtol=1e-3, atol=1e-3):
-                    raise RuntimeError(
-                        "KV cache layout check failed: cached key of the last "
-                        "prompt token differs from the key the layer computed"
-                    )
-                q = query[row.token_row].index_select(0, layer.local_heads)
-                row.scores.append(
-                    head_attention_stats(
-                        q,
-                        keys,
-                        self.kv_index(layer, kv_cache.shape[1]),
-                        row.instruction_mask,
-                        row.data_mask,
-                        float(layer.impl.scale),
-                        layer.impl.logits_soft_cap,
-                    )
+        """This layer's stats for every scored row: [rows, heads, 5], kept on the device."""
+        rows = self.rows
+        if not rows.scored:
+            return
+        assert rows.token_rows is not None and rows.slots is not None
+        assert rows.last_slots is not None
+        if not layer.global_heads:  # hooked only to finish in step with the other ranks
+            rows.stats.append(query.new_zeros((rows.scored, 0, WIDTH), dtype=torch.float32))
+            return
+        dim = query.shape[-1]
+        computed = key.index_select(0, rows.token_rows).reshape(rows.scored, -1, dim)
+        cached = self.gather(kv_cache, rows.last_slots)
+        close = torch.isclose(cached.float(), computed.float(), rtol=1e-3, atol=1e-3)
+        rows.flag(LAYOUT, ~close.flatten(1).all(1))
+        q = query.index_select(0, rows.token_rows).reshape(rows.scored, -1, dim)
+        q = q.index_select(1, layer.local_heads)
+        tokens, heads = rows.slots.shape[1], len(layer.global_heads)
+        chunk = max(1, CHUNK_ELEMENTS // max(tokens * heads * dim, 1))
+        parts = []
+        for lo in range(0, rows.scored, chunk):  # one pass unless the step is very large
+            hi = lo + chunk
+            keys = self.gather(kv_cache, rows.slots[lo:hi]).index_select(2, layer.kv_heads)
+            parts.append(
+                batched_attention_stats(
+                    q[lo:hi],
+                    keys,
+                    rows.valid[lo:hi],  # type: ignore[index]
+                    rows.instruction[lo:hi],  # type: ignore[index]
+                    rows.data[lo:hi],  # type: ignore[index]
+                    float(layer.impl.scale),
+                    layer.impl.logits_soft_cap,
                 )
-            except Exception as exc:
-                row.error = f"layer {layer.index}: {type(exc).__name__}: {exc}"
+            )
+        rows.stats.append(parts[0] if len(parts) == 1 else torch.cat(parts))
 
-    def kv_index(self, layer: Layer, local_kv_heads: int) -> torch.Tensor:
-        group = self.local_num_heads // local_kv_heads
-        return torch.div(layer.local_heads, group, rounding_mode="floor")
-
+    # -- end of step ---------------------------------------------------------------------------
     def finish_step(self) -> None:
-        """After the last hooked layer: one transfer for all rows, results stored by key. With
-        tensor parallelism every rank calls this in the same step (they hook the same layers)
-        and the ranks combine their heads first, so each holds every head's stats."""
-        rows, self.rows = self.rows, []
-        stats = self._row_stats(rows)
-        if self.tp_size > 1:
-            stats = self._combine_ranks(rows, stats)
-        hidden = self._row_hidden(rows)
-        latency = self.probe_seconds
-        for row, scores, (terms, streams, means) in zip(rows, stats, hidden, strict=True):
-            result: ProbeResultData = {
-                "num_prompt_tokens": row.num_prompt_tokens,
-                "probe_seconds": latency / max(len(rows), 1),
-            }
-            if row.error is None and not all(map(math.isfinite, terms.values())):
-                row.error = (
-                    "hidden: a logit term is not finite (a data token's stream was never "
-                    "computed in this process: KV loaded without a forward pass?)"
-                )
-            if row.error is None and scores is not None:
-                result["heads"] = [[lay, h, s] for (lay, h), s in scores.items()]
-                if terms:
-                    result["hidden"] = [[lay, t] for lay, t in terms.items()]
-                if streams:
-                    result["hidden_states"] = [[lay, x] for lay, x in streams.items()]
-                if means:
-                    result["data_mean_states"] = [[lay, x] for lay, x in means.items()]
-            else:
-                result["error"] = row.error or "probe: no score"
-            self._decide_stop(row, result, scores if row.error is None else None, terms)
-            self.results[row.key] = result
-        while len(self.results) > MAX_STORED_RESULTS:
-            self.results.popitem(last=False)
+        """After the last hooked layer: focus and stop decisions on the device, then one
+        non-blocking copy of the step's table to the host. With tensor parallelism every rank
+        calls this in the same step (they hook the same layers) and the ranks combine their
+        heads first, so each holds every head's stats."""
+        rows, self.rows = self.rows, StepRows()
+        focus = None
+        table: dict[str, torch.Tensor] = {}
+        if rows.scored:
+            try:
+                table, focus = self._device_table(rows)
+            except Exception as exc:  # recorded for the step's rows, never raised into vLLM
+                rows.fail_all(f"probe: {type(exc).__name__}: {exc}")
+                table, focus = {}, None
+        self._decide_stops(rows, focus, table.get("flags"))
+        columns: dict[str, slice] = {}
+        flat = []
+        at = 0
+        for name, part in table.items():
+            part = part.reshape(rows.scored, -1).double()
+            columns[name] = slice(at, at + part.shape[1])
+            at += part.shape[1]
+            flat.append(part)
+        event = None
+        if flat:
+            device_table = torch.cat(flat, dim=1)
+            host = torch.empty(
+                device_table.shape,
+                dtype=torch.float64,
+                pin_memory=device_table.device.type == "cuda",
+            )
+            host.copy_(device_table, non_blocking=True)
+            if device_table.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+        else:
+            host = torch.empty(0, 0, dtype=torch.float64)
+        self.finished.append(_Finished(rows, host, event, columns, self.probe_seconds))
 
-    def _row_stats(self, rows: list[_Row]) -> list[dict[HeadKey, list[float]] | None]:
-        """This rank's head stats per row (None for a row that failed), in one transfer."""
-        heads = [(lay.index, h) for lay in self.layers.values() for h in lay.global_heads]
-        ok = [r for r in rows if r.error is None]
-        values = torch.cat([torch.cat(r.scores) for r in ok]).tolist() if ok else []
-        stats: list[dict[HeadKey, list[float]] | None] = []
-        offset = 0
-        for row in rows:
-            if row.error is not None:
-                stats.append(None)
-                continue
-            stats.append(dict(zip(heads, values[offset : offset + len(heads)], strict=True)))
-            offset += len(heads)
-        return stats
-
-    def _row_hidden(self, rows: list[_Row]) -> list[tuple[dict[int, float], Streams, Streams]]:
-        """Each row's hidden-state logit terms, raw last-token streams and raw data-mean
-        streams, in one transfer."""
-        if not self.hidden:
-            return [({}, {}, {}) for _ in rows]
-        flat: list[torch.Tensor] = []
-        for row in rows:
-            if row.error is None:
-                flat += [row.hidden[lay].reshape(1) for lay in sorted(row.hidden)]
-                flat += [row.streams[lay] for lay in sorted(row.streams)]
-                flat += [row.mean_streams[lay] for lay in sorted(row.mean_streams)]
-        values = torch.cat(flat).tolist() if flat else []
-        out: list[tuple[dict[int, float], Streams, Streams]] = []
-        offset = 0
-        for row in rows:
-            terms: dict[int, float] = {}
-            streams: Streams = {}
-            means: Streams = {}
-            if row.error is None:
-                for lay in sorted(row.hidden):
-                    terms[lay] = values[offset]
-                    offset += 1
-                for target, source in ((streams, row.streams), (means, row.mean_streams)):
-                    for lay in sorted(source):
-                        size = source[lay].numel()
-                        target[lay] = values[offset : offset + size]
-                        offset += size
-            out.append((terms, streams, means))
-        return out
+    def _device_table(self, rows: StepRows) -> tuple[dict[str, torch.Tensor], Any]:
+        """The step's results as device tensors by name, and the focus (None: no stops)."""
+        assert rows.flags is not None
+        stats = torch.cat(rows.stats, dim=1)  # [K, local heads, 5]
+        flags = rows.flags
+        if self.settings.tp_size > 1:
+            stats, flags = self._combine_ranks(stats, flags)
+        terms = [rows.terms[layer] for layer in self.term_layers if layer in rows.terms]
+        term_table = torch.stack(terms, dim=1) if terms else stats.new_zeros(rows.scored, 0)
+        if terms:
+            flags[:, NONFINITE] |= ~torch.isfinite(term_table).all(1)
+        table = {"stats": stats, "terms": term_table}
+        for layer in sorted(rows.streams):
+            table[f"stream{layer}"] = rows.streams[layer]
+        for layer in sorted(rows.mean_streams):
+            table[f"mean{layer}"] = rows.mean_streams[layer]
+        focus = None
+        if self.focus is not None and any(b is not None for b in rows.stop_below):
+            focus = self.focus(stats, term_table)
+            table["focus"] = focus
+        table["flags"] = flags
+        return table, focus
 
     def _combine_ranks(
-        self, rows: list[_Row], stats: list[dict[HeadKey, list[float]] | None]
-    ) -> list[dict[HeadKey, list[float]] | None]:
+        self, stats: torch.Tensor, flags: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's heads for every row, by one all-reduce over the tensor-parallel group:
         each rank writes its own heads into a zeroed table (x + 0 is exact, so the sum equals
-        the values) and a failure flag; a row that failed on any rank fails on all."""
+        the values) and its failure flags; a row that failed on any rank fails on all."""
         from vllm.distributed import tensor_model_parallel_all_reduce
 
         index = {head: i for i, head in enumerate(self.heads)}
-        width = len(ATTENTION_STATS)
-        table = torch.zeros(len(rows), len(self.heads) * width + 1, dtype=torch.float32)
-        for r, got in enumerate(stats):
-            if got is None:
-                table[r, -1] = 1.0
-                continue
-            for head, values in got.items():
-                i = index[head]
-                table[r, i * width : (i + 1) * width] = torch.tensor(values)
-        table = tensor_model_parallel_all_reduce(table.to(self.device)).cpu()
-        combined: list[dict[HeadKey, list[float]] | None] = []
-        for r, row in enumerate(rows):
-            if table[r, -1].item() > 0:
-                row.error = row.error or "probe: another tensor-parallel rank failed to score"
-                combined.append(None)
-                continue
-            per_head: list[list[float]] = table[r, :-1].view(len(self.heads), width).tolist()
-            combined.append({head: per_head[i] for head, i in index.items()})
-        return combined
+        mine = [index[(lay.index, h)] for lay in self.layers.values() for h in lay.global_heads]
+        rows = stats.shape[0]
+        table = stats.new_zeros(rows, len(self.heads), WIDTH)
+        table[:, torch.tensor(mine, dtype=torch.long, device=stats.device)] = stats
+        failed = flags.any(1, keepdim=True).float()
+        both = torch.cat([table.flatten(1), failed], dim=1)
+        both = tensor_model_parallel_all_reduce(both)
+        flags = flags.clone()
+        flags[:, OTHER_RANK] = both[:, -1] > 0
+        return both[:, :-1].view(rows, len(self.heads), WIDTH), flags
 
-    def _decide_stop(
-        self,
-        row: _Row,
-        result: ProbeResultData,
-        scores: dict[HeadKey, list[float]] | None,
-        hidden: dict[int, float],
-    ) -> None:
+    def _decide_stops(self, rows: StepRows, focus: Any, flags: torch.Tensor | None) -> None:
         """Early stop: a request whose focus is at or below its ``stop_below`` ends right after
-        prefill (its first sampled token is forced to its stop token)."""
-        if row.stop_below is None or self.pp_size > 1:
+        prefill (its first sampled token is forced to its stop token); one that could not be
+        scored, by its ``stop_on_error``. Decided on the device."""
+        if self.settings.pp_size > 1:
             return
-        if scores is None or self.config is None:
-            stop = row.stop_on_error
-        else:
-            try:
-                focus = self.config.focus(scores, hidden)
-                result["focus"] = focus
-                stop = focus <= row.stop_below
-            except Exception as exc:
-                result["error"] = f"aggregate: {type(exc).__name__}: {exc}"
-                stop = row.stop_on_error
-        if stop:
-            self.stop_keys.add(row.key)
-            result["stopped"] = True
+        wanted = [
+            i
+            for i in range(len(rows))
+            if rows.stop_below[i] is not None and rows.stop_token[i] is not None
+        ]
+        if not wanted:
+            return
+        host_stop = [
+            rows.stop_on_error[i] if rows.errors[i] is not None or focus is None else False
+            for i in wanted
+        ]
+        device = self.device
+        stop = torch.tensor(host_stop, dtype=torch.bool, device=device)
+        position = {i: r for r, i in enumerate(rows.ok)}
+        scored = [(w, position[i]) for w, i in enumerate(wanted) if i in position]
+        if scored and focus is not None and flags is not None:
+            at = torch.tensor([r for _, r in scored], device=device)
+            limit = torch.tensor([rows.stop_below[wanted[w]] for w, _ in scored], device=device)
+            on_error = torch.tensor(
+                [rows.stop_on_error[wanted[w]] for w, _ in scored], device=device
+            )
+            failed = flags.index_select(0, at).any(1)
+            decided = torch.where(
+                failed, on_error, focus.index_select(0, at) <= limit.to(focus.dtype)
+            )
+            stop[torch.tensor([w for w, _ in scored], device=device)] = decided
+        index = [rows.batch_index[i] for i in wanted]
+        tokens = [rows.stop_token[i] for i in wanted]
+        self.stops = Stops(
+            index,
+            torch.tensor(index, device=device),
+            torch.tensor(tokens, device=device),
+            stop,
+        )
 
-    block_size: int = 0
-    local_num_heads: int = 0
-    tp_size: int = 1
-    pp_size: int = 1
-    device: Any = "cpu"
-    config: ModelProbeConfig | None = None  # combines head scores into the focus (stops)
-    needs_data_slots: bool = False  # a hidden reader averages over the data tokens
+    # -- handing results over ------------------------------------------------------------------
+    def pop(self, keys: list[str]) -> dict[str, ProbeResultData]:
+        """Remove and return the stored results of ``keys`` (missing keys are absent)."""
+        self._drain()
+        return {k: self.results.pop(k) for k in keys if k in self.results}
+
+    def _drain(self) -> None:
+        """Turn every finished step's table into results by key (waits for its copy)."""
+        while self.finished:
+            done = self.finished.popleft()
+            if done.event is not None:
+                done.event.synchronize()
+            values = done.table.tolist()
+            rows = done.rows
+            at = {i: r for r, i in enumerate(rows.ok)}
+            for i, key in enumerate(rows.keys):
+                result: ProbeResultData = {
+                    "num_prompt_tokens": rows.num_prompt_tokens[i],
+                    "probe_seconds": done.seconds / max(len(rows), 1),
+                }
+                row = values[at[i]] if i in at and values else None
+                self._fill(result, rows, i, row, done.columns)
+                self.results[key] = result
+            while len(self.results) > MAX_STORED_RESULTS:
+                self.results.popitem(last=False)
+
+    def _fill(
+        self,
+        result: ProbeResultData,
+        rows: StepRows,
+        i: int,
+        row: list[float] | None,
+        columns: dict[str, slice],
+    ) -> None:
+        """One row's result from its line of the step's table."""
+        error = rows.errors[i]
+        if error is None and row is not None:
+            flags = row[columns["flags"]]
+            error = next((FLAG_MESSAGES[c] for c, f in enumerate(flags) if f), None)
+        if error is None and row is None:
+            error = "probe: no score"
+        if rows.stop_below[i] is not None and rows.stop_token[i] is not None:
+            self._fill_stop(result, rows, i, row if error is None else None, columns)
+        if error is not None or row is None:
+            result["error"] = error or "probe: no score"
+            return
+        stats = row[columns["stats"]]
+        heads = self.table_heads
+        result["heads"] = [
+            [lay, h, stats[j * WIDTH : (j + 1) * WIDTH]] for j, (lay, h) in enumerate(heads)
+        ]
+        terms = row[columns["terms"]]
+        if terms:
+            result["hidden"] = [[lay, t] for lay, t in zip(self.term_layers, terms, strict=True)]
+        streams = [[int(n[6:]), row[s]] for n, s in columns.items() if n.startswith("stream")]
+        if streams:
+            result["hidden_states"] = streams
+        if rows.has_data[i]:  # no data tokens: no mean stream to return
+            means = [[int(n[4:]), row[s]] for n, s in columns.items() if n.startswith("mean")]
+            if means:
+                result["data_mean_states"] = means
+
+    def _fill_stop(
+        self,
+        result: ProbeResultData,
+        rows: StepRows,
+        i: int,
+        row: list[float] | None,
+        columns: dict[str, slice],
+    ) -> None:
+        """The stop decision the device made for row ``i``, recomputed from the same numbers."""
+        if self.settings.pp_size > 1:
+            return
+        if row is None or "focus" not in columns:
+            stopped = rows.stop_on_error[i]
+        else:
+            focus = row[columns["focus"]][0]
+            result["focus"] = focus
+            stopped = focus <= float(rows.stop_below[i])  # type: ignore[arg-type]
+        if stopped:
+            result["stopped"] = True
 
 
 def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:
@@ -397,8 +485,7 @@ def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:
             if probe.plan(runner, get_forward_context(), attn_metadata):
                 probe.score_layer(layer, query, kv_cache, key)
         except Exception as exc:  # a bug here must not take the engine down
-            for row in probe.rows:
-                row.error = row.error or f"probe: {type(exc).__name__}: {exc}"
+            probe.rows.fail_all(f"layer {layer.index}: {type(exc).__name__}: {exc}")
         probe.probe_seconds += time.perf_counter() - started
         if probe.rows and layer.index == probe.last_layer and not probe.finish_on_hidden:
             probe.finish_step()  # reached on every rank alike: tensor-parallel ranks combine here
@@ -429,9 +516,14 @@ def install_probe(
     # With pipeline parallelism this stage holds some layers only: it scores their heads, and
     # the caller merges the stages' results (early stops need every layer: refused by the caller).
     heads = [(layer, head) for layer, head in heads if layer in attention_layers]
-    probe = Probe(heads, fault_keys)
-    probe.block_size, probe.local_num_heads, probe.config = info["block_size"], per_rank, config
-    probe.tp_size, probe.pp_size, probe.device = info["tp_size"], info["pp_size"], runner.device
+    settings = ProbeSettings(
+        block_size=info["block_size"],
+        local_num_heads=per_rank,
+        tp_size=info["tp_size"],
+        pp_size=info["pp_size"],
+        device=runner.device,
+    )
+    probe = Probe(heads, fault_keys, settings, config)
     by_layer: dict[int, list[int]] = {}
     for layer_index, head in heads:
         local = by_layer.setdefault(layer_index, [])
@@ -440,9 +532,12 @@ def install_probe(
     for layer_index, global_heads in sorted(by_layer.items()):
         module = attention_layers[layer_index]
         probe.gather = key_gather_for(type(module.impl).__name__, getattr(module, "isa", None))
+        local_kv = int(getattr(module.impl, "num_kv_heads", info["num_kv_heads"]))
+        local_heads = torch.tensor([h - lo for h in global_heads], dtype=torch.long)
         layer = Layer(
             layer_index,
-            torch.tensor([h - lo for h in global_heads], device=runner.device),
+            local_heads.to(runner.device),
+            torch.div(local_heads, per_rank // local_kv, rounding_mode="floor").to(runner.device),
             global_heads,
             module.impl,
             module.impl.forward,
@@ -452,7 +547,38 @@ def install_probe(
         probe.layers[layer_index] = layer
     probe.last_layer = max(probe.layers, default=-1)
     install_hidden(probe, runner, info, config, raw_hidden_layers or [], raw_data_mean_layers or [])
+    probe.ready()
+    _no_full_graph_while_scoring(probe, runner)
     return probe
+
+
+def _no_full_graph_while_scoring(probe: Probe, runner: Any) -> None:
+    """Never let a step that computes a guarded request's last prompt token replay a full CUDA
+    graph, where no Python (so no probe) runs. vLLM replays one for a step in which every
+    request has one scheduled token: a decode batch, or a prompt served from the prefix cache up
+    to its last token. Such a step runs piecewise instead (the probe's wrapper runs between the
+    pieces) through the dispatcher's own ``invalid_modes``, the way vLLM itself excludes full
+    graphs for cascade attention; the steps after it replay full graphs as before."""
+    dispatcher = getattr(runner, "cudagraph_dispatcher", None)
+    if dispatcher is None or "dispatch" in vars(dispatcher):
+        return
+    from vllm.config import CUDAGraphMode
+
+    original = dispatcher.dispatch
+
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        try:
+            valid = kwargs.get("valid_modes")
+            if (valid is None or set(valid) - {CUDAGraphMode.FULL}) and probe.awaits_score(runner):
+                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | {
+                    CUDAGraphMode.FULL
+                }
+        except Exception:  # never break vLLM's dispatch; plan() records what fails later
+            pass
+        return original(*args, **kwargs)
+
+    dispatcher.dispatch = dispatch
+    probe.dispatcher = dispatcher
 
 
 def uninstall_probe(probe: Probe) -> None:
@@ -465,3 +591,6 @@ def uninstall_probe(probe: Probe) -> None:
     for reader in probe.hidden.values():
         reader.handle.remove()
     probe.hidden.clear()
+    if probe.dispatcher is not None:
+        del probe.dispatcher.dispatch  # back to the class's method
+        probe.dispatcher = None

@@ -7,7 +7,6 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
-from guardrail.protocol import PROBE_ARG
 from guardrail.worker.probe import PROBES
 
 __all__ = ["ProbeStopLogitsProcessor"]
@@ -18,11 +17,11 @@ class ProbeStopLogitsProcessor(LogitsProcessor):
 
     In the step where the probe decides to stop a request, this forces the request's first
     sampled token to its stop token, so the scheduler finishes it: one token, no decode steps.
+    The decision stays on the device (``guardrail.worker.probe.Stops``).
     """
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self._config_id = id(vllm_config)
-        self._rows: dict[int, tuple[str, int]] = {}  # batch index -> (probe key, stop token)
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
@@ -32,31 +31,25 @@ class ProbeStopLogitsProcessor(LogitsProcessor):
         return False
 
     def update_state(self, batch_update: Any) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self._rows.pop(index, None)
-        for index, params, _prompt, _output in batch_update.added:
-            spec = (params.extra_args or {}).get(PROBE_ARG) if params is not None else None
-            if spec and spec.get("stop_token") is not None:
-                self._rows[index] = (spec["key"], int(spec["stop_token"]))
-            else:
-                self._rows.pop(index, None)
-        for a, b, direction in batch_update.moved:
-            moving = self._rows.pop(a, None)
-            other = self._rows.pop(b, None)
-            if direction.name == "SWAP" and other is not None:
-                self._rows[a] = other
-            if moving is not None:
-                self._rows[b] = moving
+        return None  # the probe names the step's rows by batch index itself
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Rows the probe decided to stop get every logit at -inf but their stop token's; the
+        decision is a device tensor, applied with one ``where`` (no synchronisation)."""
         probe = PROBES.get(self._config_id)
-        if probe is None or not probe.stop_keys:
+        stops = probe.stops if probe is not None else None
+        if stops is None:
             return logits
-        for index, (key, stop_token) in self._rows.items():
-            if key in probe.stop_keys and index < logits.shape[0]:
-                probe.stop_keys.discard(key)
-                logits[index] = float("-inf")
-                logits[index, stop_token] = 0.0
-        return logits
+        probe.stops = None  # type: ignore[union-attr]
+        if max(stops.batch_index) >= logits.shape[0]:
+            return logits  # not this step's logits (cannot happen in vLLM's V1 runner)
+        index = stops.index
+        forced = torch.full(
+            (len(stops.batch_index), logits.shape[1]),
+            float("-inf"),
+            dtype=logits.dtype,
+            device=logits.device,
+        )
+        forced.scatter_(1, stops.tokens[:, None], 0.0)
+        chosen = torch.where(stops.stop[:, None], forced, logits.index_select(0, index))
+        return logits.index_copy(0, index, chosen)

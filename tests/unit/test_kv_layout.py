@@ -16,7 +16,7 @@ then written by the backend's own ``do_kv_cache_update``:
   line-by-line port of that Triton kernel's address arithmetic (quoted there).
 
 On a real engine the worker checks the CPU layout on every scored request as well: the cached
-key of the last prompt token must equal the key the layer computed (``score_layer`` in
+key of the last prompt token must equal the key the layer computed (on the device, in
 guardrail/worker/probe.py); tests/engine/test_engine.py compares scores with Hugging Face.
 """
 
@@ -199,9 +199,14 @@ def _round_trip(
     for cache, layer_keys in zip(caches, keys, strict=True):
         write(cache, layer_keys, randn(num_tokens), slots)
     for cache, layer_keys in zip(caches, keys, strict=True):
-        got = read(cache, torch.tensor(block_ids), num_tokens)
+        got = read(cache, slots)
         assert got.shape == (num_tokens, kv_heads, head_size)
         assert torch.equal(got, layer_keys)
+        # The probe reads a step's rows at once, as a [rows, tokens] grid of slots.
+        grid = torch.stack([slots, slots.flip(0)])
+        both = read(cache, grid)
+        assert both.shape == (2, num_tokens, kv_heads, head_size)
+        assert torch.equal(both[0], layer_keys) and torch.equal(both[1], layer_keys.flip(0))
 
 
 # (num_blocks, block_size, kv_heads, head_size, block ids of the request in table order)
@@ -229,11 +234,8 @@ def test_cpu_vec_reads_what_vllms_cpu_backend_wrote(
     caches = _vllm_kv_caches(layout, num_blocks, block_size, kv_heads, head_size, dtype)
     _round_trip(_cpu_vec_write, cpu_vec_keys, caches, block_ids)
     # Not vacuous: the CPU kernel does not store keys the way FlashAttention does.
-    num_tokens = len(block_ids) * block_size
-    assert not torch.equal(
-        flash_attn_keys(caches[0], torch.tensor(block_ids), num_tokens),
-        cpu_vec_keys(caches[0], torch.tensor(block_ids), num_tokens),
-    )
+    slots = (torch.tensor(block_ids)[:, None] * block_size + torch.arange(block_size)).flatten()
+    assert not torch.equal(flash_attn_keys(caches[0], slots), cpu_vec_keys(caches[0], slots))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,0 +1,179 @@
+"""The rows a step scores: host facts read once per step, device tensors built once per step.
+
+A request is scored in the step that computes its last prompt token. The step's plan is made by
+the first hooked layer that runs (``Probe.plan``): it reads the batch layout from the model
+runner's host-side buffers (no synchronisation with the device), validates each request's spans
+on the host (a bad request fails alone, here), and builds, for the rows that can be scored,
+padded ``[rows, tokens]`` tensors that every hooked layer then reuses: the token masks, and the
+KV slot of every prompt position, through the request's block table, so prefix-cached blocks
+and earlier chunked-prefill steps are read like fresh ones.
+
+Failures found on the device (a KV layout or slot check, a non-finite hidden term) are flags in
+``StepRows.flags``, carried to the host with the results, never a synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from guardrail.protocol import PROBE_ARG, ProbeSpec
+
+__all__ = ["FLAG_MESSAGES", "StepRows", "batch_layout", "plan_rows"]
+
+FLAG_MESSAGES = (
+    "probe: KV cache layout check failed: cached key of the last prompt token differs from the "
+    "key the layer computed",
+    "plan: KV slot layout check failed: the last prompt token's slot from the block table "
+    "differs from the slot vLLM wrote it to",
+    "hidden: a logit term is not finite (a data token's stream was never computed in this "
+    "process: KV loaded without a forward pass?)",
+    "probe: another tensor-parallel rank failed to score",
+)
+"""What each column of ``StepRows.flags`` means, as the row's error."""
+LAYOUT, SLOT, NONFINITE, OTHER_RANK = range(len(FLAG_MESSAGES))
+
+
+@dataclass
+class StepRows:
+    """The rows scored in one step. Host lists cover every row; device tensors cover the rows
+    in ``ok`` (those without a host-side error), in that order."""
+
+    keys: list[str] = field(default_factory=list)
+    batch_index: list[int] = field(default_factory=list)
+    num_prompt_tokens: list[int] = field(default_factory=list)
+    errors: list[str | None] = field(default_factory=list)
+    stop_below: list[float | None] = field(default_factory=list)
+    stop_on_error: list[bool] = field(default_factory=list)
+    stop_token: list[int | None] = field(default_factory=list)
+    has_data: list[bool] = field(default_factory=list)
+    ok: list[int] = field(default_factory=list)
+    token_rows: torch.Tensor | None = None  # [K] row of the last prompt token in the batch
+    valid: torch.Tensor | None = None  # [K, T] bool: position < the row's prompt length
+    instruction: torch.Tensor | None = None  # [K, T] bool
+    data: torch.Tensor | None = None  # [K, T] bool
+    slots: torch.Tensor | None = None  # [K, T] long: KV slot of every position
+    last_slots: torch.Tensor | None = None  # [K] long: KV slot of the last prompt token
+    flags: torch.Tensor | None = None  # [K, len(FLAG_MESSAGES)] bool
+    stats: list[torch.Tensor] = field(default_factory=list)  # per hooked layer [K, heads, 5]
+    terms: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K] logit term
+    streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K, hidden]
+    mean_streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K, hidden]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def scored(self) -> int:
+        """How many rows the device scores."""
+        return len(self.ok)
+
+    def flag(self, column: int, failed: torch.Tensor) -> None:
+        """Mark rows (``failed`` [K] bool, on the device) as failed for reason ``column``."""
+        assert self.flags is not None
+        self.flags[:, column] |= failed
+
+    def fail_all(self, message: str) -> None:
+        """Every row of the step fails with ``message`` (an error in the batched code)."""
+        for i, error in enumerate(self.errors):
+            self.errors[i] = error or message
+        self.ok = []
+
+
+def batch_layout(runner: Any, metadata: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(query_start_loc [reqs + 1], first position computed in this step [reqs])`` on the
+    host, from the model runner's host-side buffers (what it built the step's metadata from);
+    where a runner has none, from the metadata (one copy to the host per step)."""
+    starts = getattr(getattr(runner, "query_start_loc", None), "np", None)
+    computed = getattr(runner.input_batch, "num_computed_tokens_cpu", None)
+    num_reqs = len(runner.input_batch.req_ids)
+    if starts is not None and computed is not None:
+        return starts[: num_reqs + 1], computed[:num_reqs]
+    both = torch.cat([metadata.query_start_loc, metadata.seq_lens]).tolist()
+    qsl = np.asarray(both[: num_reqs + 1])
+    seq_lens = np.asarray(both[-len(metadata.seq_lens) :][:num_reqs])
+    return qsl, seq_lens - np.diff(qsl)
+
+
+def _spec_error(spec: ProbeSpec, n: int) -> str | None:
+    if spec.get("num_prompt_tokens", n) != n:
+        return (
+            f"plan: ValueError: engine saw {n} prompt tokens, request spans were made for "
+            f"{spec['num_prompt_tokens']}"
+        )
+    for name in ("instruction", "data"):
+        for span in spec[name]:
+            if len(span) != 2 or not 0 <= span[0] <= span[1] <= n:
+                return f"plan: ValueError: {name} span {span} outside the prompt's {n} tokens"
+    return None
+
+
+def plan_rows(
+    found: list[tuple[int, int, Any]],
+    metadata: Any,
+    block_size: int,
+    faults: set[str],
+    fault_message: str,
+) -> StepRows:
+    """The step's rows from ``found`` = [(batch index, token row of the last prompt token,
+    vLLM's request state)], with their device tensors built in a handful of copies."""
+    rows = StepRows()
+    for batch_index, _, state in found:
+        spec: ProbeSpec = state.sampling_params.extra_args[PROBE_ARG]
+        n = int(state.num_prompt_tokens)
+        error = _spec_error(spec, n)
+        if error is None and spec["key"] in faults:
+            error = fault_message
+        rows.keys.append(spec["key"])
+        rows.batch_index.append(batch_index)
+        rows.num_prompt_tokens.append(n)
+        rows.errors.append(error)
+        rows.stop_below.append(spec.get("stop_below"))
+        rows.stop_on_error.append(spec.get("stop_on_error", True))
+        token = spec.get("stop_token")
+        rows.stop_token.append(None if token is None else int(token))
+        rows.has_data.append(any(b > a for a, b in spec["data"]))
+        if error is None:
+            rows.ok.append(len(rows.keys) - 1)
+    if rows.ok:
+        _device_tensors(rows, found, metadata, block_size)
+    return rows
+
+
+def _device_tensors(
+    rows: StepRows, found: list[tuple[int, int, Any]], metadata: Any, block_size: int
+) -> None:
+    """Masks and KV slots of the scored rows: two host-to-device copies, one gather."""
+    ok = rows.ok
+    width = max(rows.num_prompt_tokens[i] for i in ok)
+    masks = np.zeros((3, len(ok), width), dtype=np.bool_)
+    for r, i in enumerate(ok):
+        spec: ProbeSpec = found[i][2].sampling_params.extra_args[PROBE_ARG]
+        masks[0, r, : rows.num_prompt_tokens[i]] = True
+        for a, b in spec["instruction"]:
+            masks[1, r, a:b] = True
+        for a, b in spec["data"]:
+            masks[2, r, a:b] = True
+    index = np.array(
+        [[rows.batch_index[i], found[i][1], rows.num_prompt_tokens[i] - 1] for i in ok],
+        dtype=np.int64,
+    )
+    table = metadata.block_table
+    device = table.device
+    pin = device.type == "cuda"
+    masks_t, index_t = torch.from_numpy(masks), torch.from_numpy(index)
+    if pin:
+        masks_t, index_t = masks_t.pin_memory(), index_t.pin_memory()
+    masks_d = masks_t.to(device, non_blocking=True)
+    index_d = index_t.to(device, non_blocking=True)
+    rows.valid, rows.instruction, rows.data = masks_d[0], masks_d[1], masks_d[2]
+    rows.token_rows = index_d[:, 1]
+    blocks = table.index_select(0, index_d[:, 0])[:, : (width + block_size - 1) // block_size]
+    positions = torch.arange(width, device=device)
+    rows.slots = blocks.long()[:, positions // block_size] * block_size + positions % block_size
+    last = index_d[:, 2]
+    rows.last_slots = rows.slots.gather(1, last[:, None])[:, 0]
+    rows.flags = torch.zeros(len(ok), len(FLAG_MESSAGES), dtype=torch.bool, device=device)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from guardrail.probe.scoring import (
+    batched_attention_stats,
     focus_of,
     head_attention_stats,
     logistic_focus,
@@ -137,3 +138,30 @@ def test_aggregations():
     z = 0.1 + sum(wi * xi for wi, xi in zip(w, [*map(math.log, s[:4]), s[4]], strict=True))
     got = logistic_focus({(0, 0): s}, [(0, 0)], w, 0.1, "attention_stats")
     assert got == pytest.approx(1 - 1 / (1 + math.exp(-z)))
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_batched_stats_equal_the_per_request_stats(softcap):
+    """Rows of different lengths, padded to the longest, one with no data and one with a single
+    data token: each row equals the per-request function on its own unpadded tensors."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim = 4, 2, 8
+    kv_index = torch.arange(heads) // (heads // kv_heads)
+    cases = [(41, [(1, 12)], [(15, 38)]), (17, [(0, 5)], []), (30, [(2, 9)], [(20, 21)])]
+    width = max(n for n, _, _ in cases)
+    q = torch.randn(len(cases), heads, dim, generator=g) * 2
+    k = torch.randn(len(cases), width, kv_heads, dim, generator=g) * 2
+    valid = torch.zeros(len(cases), width, dtype=torch.bool)
+    instr, data = torch.zeros_like(valid), torch.zeros_like(valid)
+    for r, (n, i_spans, d_spans) in enumerate(cases):
+        valid[r, :n] = True
+        instr[r, :n], data[r, :n] = spans_to_mask(i_spans, n), spans_to_mask(d_spans, n)
+    got = batched_attention_stats(
+        q, k.index_select(2, kv_index), valid, instr, data, 1 / math.sqrt(dim), softcap
+    )
+    assert got.shape == (len(cases), heads, 5)
+    for r, (n, _, _) in enumerate(cases):
+        want = head_attention_stats(
+            q[r], k[r, :n], kv_index, instr[r, :n], data[r, :n], 1 / math.sqrt(dim), softcap
+        )
+        torch.testing.assert_close(got[r], want, atol=2e-7, rtol=1e-6)

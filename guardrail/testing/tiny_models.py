@@ -196,11 +196,14 @@ def build_tiny_model(
     arch: Arch = "llama",
     seed: int = 0,
     vocab_size: int = 1024,
+    overrides: dict[str, object] | None = None,
 ) -> Path:
     """Build (or reuse) a tiny random chat model with a local tokenizer at ``out_dir``.
 
     The directory is written atomically (built in a temporary sibling, then renamed), so
     concurrent builders never see a half-written model. Returns the model directory.
+    ``overrides`` replace entries of the model config (sizes, ``torch_dtype``: e.g. a head size
+    GPU attention kernels support, saved in float16).
 
     Example:
         >>> build_tiny_model("/tmp/tiny-qwen2", arch="qwen2").name  # doctest: +SKIP
@@ -217,10 +220,11 @@ def build_tiny_model(
     try:
         _train_tokenizer(tmp, vocab_size)
         eos_id = json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"]["<|im_end|>"]
-        cfg_dict = _model_config(arch, vocab_size, eos_id)
+        cfg_dict = {**_model_config(arch, vocab_size, eos_id), **(overrides or {})}
         config = AutoConfig.for_model(str(cfg_dict.pop("model_type")), **cfg_dict)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        dtype = getattr(torch, str(cfg_dict["torch_dtype"]))
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
         # Larger-than-default init so attention is far from uniform and scores differ by head.
         with torch.no_grad():
             for name, param in model.named_parameters():

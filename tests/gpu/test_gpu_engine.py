@@ -1,0 +1,113 @@
+"""On a CUDA GPU (skipped elsewhere): the probe against Hugging Face, eager and compiled, and no
+request escaping it under full CUDA graphs.
+
+Run on the H200 (``../shared/gpu/README.md``): ``python -m pytest -q tests/gpu``.
+
+The model is a small random Llama in float16 with head size 64 (FlashAttention-3 has no kernel
+for the CPU tests' head size 32). The reference is Hugging Face eager attention in float32 on the
+same float16 weights: vLLM's activations are float16 from layer to layer, so its attention rows
+differ from the float32 ones by float16 rounding carried through the layers (a relative 2^-11 per
+operation). The tolerance (``FP16_TOL``) covers that; the measured error is printed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import SYSTEM, hf_head_stats, mixed_batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+FP16_TOL = 2e-2
+"""Largest difference allowed between the engine's float16 stats and float32 Hugging Face."""
+
+SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,  # head size 64
+    "num_key_value_heads": 2,
+    "torch_dtype": "float16",
+}
+
+
+@pytest.fixture(scope="module")
+def fp16_llama_dir() -> Path:
+    from guardrail.testing.tiny_models import build_tiny_model
+
+    root = Path(os.environ.get("GUARDRAIL_TEST_CACHE", "/tmp/guardrail-tests"))
+    return build_tiny_model(root / "tiny-llama-fp16-h64", arch="llama", overrides=SHAPE)
+
+
+def _engine(model_dir: Path, eager: bool):  # type: ignore[no-untyped-def]
+    from guardrail.engine import HookedLLM
+    from guardrail.probe.config import ModelProbeConfig
+
+    heads = [(layer, head) for layer in range(4) for head in range(4)]
+    config = ModelProbeConfig(model_id="tiny", heads=heads, threshold=0.5)
+    return HookedLLM(
+        str(model_dir),
+        config,
+        dtype="float16",
+        enforce_eager=eager,
+        block_size=16,
+        max_num_batched_tokens=256,  # chunked prefill on the longer prompts
+        max_model_len=2048,
+        gpu_memory_utilization=0.2,
+        seed=0,
+    )
+
+
+def _worst(model_dir: Path, outputs: list) -> float:  # type: ignore[type-arg]
+    worst = 0.0
+    for out in outputs:
+        assert out.probe.error is None, out.probe.error
+        prompt = out.prompt
+        heads = list(out.probe.head_stats)
+        want = hf_head_stats(
+            str(model_dir), prompt.token_ids, prompt.instruction_spans, prompt.data_spans, heads
+        )
+        for head in heads:
+            got = out.probe.head_stats[head]
+            worst = max(worst, *(abs(a - b) for a, b in zip(got[:4], want[head][:4], strict=True)))
+    return worst
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_gpu_stats_equal_hf_with_chunked_prefill_and_prefix_cache(fp16_llama_dir, eager):
+    engine = _engine(fp16_llama_dir, eager)
+    try:
+        assert engine.model_info["backend"] == "FlashAttentionImpl", engine.model_info
+        batch = mixed_batch()
+        first = engine.generate(batch, engine.sampling(max_tokens=2))
+        second = engine.generate(batch, engine.sampling(max_tokens=2))
+        shared = [
+            o for o, r in zip(second, batch, strict=True) if isinstance(r, tuple) and SYSTEM in r[0]
+        ]
+        assert shared and all(o.num_cached_tokens >= 64 for o in shared)
+        worst = max(_worst(fp16_llama_dir, first), _worst(fp16_llama_dir, second))
+        print(f"gpu parity ({'eager' if eager else 'compiled'}): max |stat - HF| = {worst:.2e}")
+        assert worst <= FP16_TOL
+    finally:
+        engine.close()
+
+
+def test_no_request_escapes_the_probe_under_full_cuda_graphs(fp16_llama_dir):
+    """24 prompts sent twice, compiled (FULL_AND_PIECEWISE): on the second pass some are cached
+    up to their last token, whose step has one token per request, the shape vLLM replays as a
+    full graph. Every request of both passes must be scored."""
+    engine = _engine(fp16_llama_dir, eager=False)
+    try:
+        filler = "The invoice was paid on time and the supplier confirmed the order. "
+        batch = [("Summarize the note.", filler * (4 + i % 5) + f"Ref {i}.") for i in range(24)]
+        for _ in range(2):
+            outs = engine.generate(batch, engine.sampling(max_tokens=4))
+            missing = [o.probe.error for o in outs if o.probe.error is not None]
+            assert not missing, missing
+        cached_to_last = [o for o in outs if o.num_cached_tokens >= len(o.prompt.token_ids) - 1]
+        print(f"cached up to the last token on the second pass: {len(cached_to_last)} of 24")
+    finally:
+        engine.close()

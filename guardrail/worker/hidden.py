@@ -45,7 +45,7 @@ import torch
 
 from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
 from guardrail.worker.forward import decoder_layers, step_metadata
-from guardrail.worker.rows import SLOT, StepRows
+from guardrail.worker.rows import StepRows
 
 __all__ = ["HiddenReader", "Readout", "install_hidden", "make_hidden_hook"]
 
@@ -142,15 +142,6 @@ class HiddenReader:
             rows.mean_streams[self.index] = streams.sum(1) / denominator[:, None]
 
 
-def check_slots(rows: StepRows, slot_mapping: torch.Tensor) -> None:
-    """Flag rows whose last prompt token's KV slot, from the block table, is not the slot vLLM
-    wrote it to: the memo would then be read at the wrong places."""
-    if rows.scored:
-        assert rows.token_rows is not None and rows.last_slots is not None
-        written = slot_mapping.index_select(0, rows.token_rows).long()
-        rows.flag(SLOT, written != rows.last_slots)
-
-
 def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
     """The forward hook of one decoder layer read by the probe; never raises into the engine."""
     from vllm.forward_context import get_forward_context
@@ -166,8 +157,6 @@ def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
             if reader.remembers:  # every step: the memo mirrors the KV cache
                 reader.remember(hidden, residual, metadata.slot_mapping)
             if probe.plan(runner, context, metadata):
-                if probe.needs_data_slots:
-                    check_slots(probe.rows, metadata.slot_mapping)
                 reader.read(probe.rows, hidden, residual)
         except Exception as exc:  # recorded for the step's rows
             probe.rows.fail_all(f"hidden layer {reader.index}: {type(exc).__name__}: {exc}")

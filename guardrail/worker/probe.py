@@ -41,6 +41,7 @@ from guardrail.worker.rows import (
     OTHER_RANK,
     StepRows,
     batch_layout,
+    check_slots,
     plan_rows,
 )
 
@@ -104,7 +105,6 @@ class ProbeSettings:
     """What the probe needs to know about the engine, fixed at install."""
 
     block_size: int
-    local_num_heads: int
     tp_size: int = 1
     pp_size: int = 1
     device: Any = "cpu"
@@ -143,6 +143,7 @@ class Probe:
         self.stops: Stops | None = None  # read once by the stop logits processor
         self.focus: DeviceFocus | None = None  # built by ``ready`` once every layer is hooked
         self.term_layers: list[int] = []
+        self.fault_message = ""  # what a fault-injected request fails with (set by ``ready``)
         self._step: object = None
         self.rows = StepRows()
         self.probe_seconds = 0.0
@@ -150,6 +151,8 @@ class Probe:
 
     def ready(self) -> None:
         """Called once the layers are hooked: fixes the table layout and the device focus."""
+        first = min(self.layers, default=min(self.hidden, default=0))
+        self.fault_message = f"layer {first}: RuntimeError: fault injected for testing"
         self.term_layers = sorted(
             i for i, r in self.hidden.items() if r.last is not None or r.mean is not None
         )
@@ -210,9 +213,11 @@ class Probe:
             self.pending[rid] = None  # scored once, even if preempted and recomputed later
             found.append((i, int(starts[i]) + last - first, state))
         if found:
-            first_layer = min(self.layers, default=min(self.hidden, default=0))
-            fault = f"layer {first_layer}: RuntimeError: fault injected for testing"
-            self.rows = plan_rows(found, metadata, self.settings.block_size, self.fault_keys, fault)
+            self.rows = plan_rows(
+                found, metadata, self.settings.block_size, self.fault_keys, self.fault_message
+            )
+            if self.needs_data_slots:  # the memo is read through the block table: check it
+                check_slots(self.rows, metadata.slot_mapping)
         return self.rows
 
     # -- per layer -----------------------------------------------------------------------------
@@ -417,10 +422,11 @@ class Probe:
         if error is None and row is not None:
             flags = row[columns["flags"]]
             error = next((FLAG_MESSAGES[c] for c, f in enumerate(flags) if f), None)
-        if error is None and row is None:
-            error = "probe: no score"
         if rows.stop_below[i] is not None and rows.stop_token[i] is not None:
-            self._fill_stop(result, rows, i, row if error is None else None, columns)
+            focus = None
+            if error is None and row is not None and "focus" in columns:
+                focus = row[columns["focus"]][0]
+            self._fill_stop(result, rows, i, focus)
         if error is not None or row is None:
             result["error"] = error or "probe: no score"
             return
@@ -441,20 +447,15 @@ class Probe:
                 result["data_mean_states"] = means
 
     def _fill_stop(
-        self,
-        result: ProbeResultData,
-        rows: StepRows,
-        i: int,
-        row: list[float] | None,
-        columns: dict[str, slice],
+        self, result: ProbeResultData, rows: StepRows, i: int, focus: float | None
     ) -> None:
-        """The stop decision the device made for row ``i``, recomputed from the same numbers."""
+        """The stop decision the device made for row ``i``, recomputed from the same numbers
+        (``focus`` None: the row was not scored, or no focus was computed)."""
         if self.settings.pp_size > 1:
             return
-        if row is None or "focus" not in columns:
+        if focus is None:
             stopped = rows.stop_on_error[i]
         else:
-            focus = row[columns["focus"]][0]
             result["focus"] = focus
             stopped = focus <= float(rows.stop_below[i])  # type: ignore[arg-type]
         if stopped:
@@ -518,7 +519,6 @@ def install_probe(
     heads = [(layer, head) for layer, head in heads if layer in attention_layers]
     settings = ProbeSettings(
         block_size=info["block_size"],
-        local_num_heads=per_rank,
         tp_size=info["tp_size"],
         pp_size=info["pp_size"],
         device=runner.device,

@@ -22,7 +22,7 @@ import torch
 
 from guardrail.protocol import PROBE_ARG, ProbeSpec
 
-__all__ = ["FLAG_MESSAGES", "StepRows", "batch_layout", "plan_rows"]
+__all__ = ["FLAG_MESSAGES", "StepRows", "batch_layout", "check_slots", "plan_rows"]
 
 FLAG_MESSAGES = (
     "probe: KV cache layout check failed: cached key of the last prompt token differs from the "
@@ -177,3 +177,12 @@ def _device_tensors(
     last = index_d[:, 2]
     rows.last_slots = rows.slots.gather(1, last[:, None])[:, 0]
     rows.flags = torch.zeros(len(ok), len(FLAG_MESSAGES), dtype=torch.bool, device=device)
+
+
+def check_slots(rows: StepRows, slot_mapping: torch.Tensor) -> None:
+    """Flag rows whose last prompt token's KV slot, from the block table, is not the slot vLLM
+    wrote it to (once per step): the data-mean memo would then be read at the wrong places."""
+    if rows.scored:
+        assert rows.token_rows is not None and rows.last_slots is not None
+        written = slot_mapping.index_select(0, rows.token_rows).long()
+        rows.flag(SLOT, written != rows.last_slots)

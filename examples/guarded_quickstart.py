@@ -49,7 +49,6 @@ def main() -> None:
         args.model,
         [policies.BLOCK_INJECTIONS, policies.SUSPICIOUS],
         probe_config=args.probe_config,
-        dtype="float32",  # fast on CPUs; drop on GPUs
         enforce_eager=True,  # quick start-up; compiled mode reads the attention-only config
         max_model_len=2048,
     ) as llm:

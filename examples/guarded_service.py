@@ -44,7 +44,6 @@ def create_app(model: str | None, probe_config: str | None) -> FastAPI:
             probe_config=probe_config,
             metrics=GuardrailMetrics(model_name="smollm2"),  # global registry
             model_name="smollm2",
-            dtype="float32",
             enforce_eager=True,
         ) as guarded:
             guard["llm"] = guarded

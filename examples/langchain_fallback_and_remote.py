@@ -60,7 +60,6 @@ def main() -> None:
         args.model,
         [policies.BLOCK_INJECTIONS],
         probe_config=args.probe_config,
-        dtype="float32",
         enforce_eager=True,  # starts in seconds on CPU; drop it to let vLLM compile (GPU)
         max_model_len=2048,
     ) as local_llm:

@@ -66,7 +66,6 @@ def main() -> None:
         args.model,
         [policies.BLOCK_INJECTIONS, policies.SUSPICIOUS],
         probe_config=args.probe_config,
-        dtype="float32",
         max_model_len=2048,
         enforce_eager=True,  # starts in seconds on CPU; drop it to let vLLM compile (GPU)
     ) as llm:

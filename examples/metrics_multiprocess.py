@@ -49,7 +49,6 @@ def run_worker(model: str | None, probe_config: str | None, email: str) -> None:
         probe_config=probe_config,
         metrics=GuardrailMetrics(model_name="smollm2"),
         model_name="smollm2",
-        dtype="float32",
         enforce_eager=True,
     ) as guarded:
         result = guarded.generate([(TASK, email)], SamplingParams(temperature=0.0, max_tokens=16))

@@ -30,7 +30,6 @@ def run(model: str | None, probe_config: str | None, port: int, requests: list) 
             probe_config=probe_config,
             metrics=metrics,
             model_name="smollm2",  # the name vLLM serves the model under, on every series
-            dtype="float32",
             enforce_eager=True,
         ) as guarded,
         start_metrics_server(port) as server,  # http://127.0.0.1:9400/metrics

@@ -28,7 +28,6 @@ def use_it(model: str | None = None, probe_config: str | None = None) -> None:
         model,  # None: the embedded SmolLM2-135M-Instruct
         policies.TIERED,  # block at the model's calibrated threshold, flag a band above it
         probe_config=probe_config,  # None: the shipped one (eager engine: "combined")
-        dtype="float32",
         enforce_eager=True,  # CPU default anyway; compiled mode reads the attention-only config
     ) as llm:
         results = llm.generate(

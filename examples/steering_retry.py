@@ -31,9 +31,7 @@ def retry_steered(model: str | None, probe_config: str | None, vector: str | Non
     retry = PromptInjectionPolicy(
         name="retry_steered", action="retry_with_steering", retry=RetrySettings(vector=vector)
     )
-    with GuardedLLM(
-        model, [retry], probe_config=probe_config, enforce_eager=True, dtype="float32"
-    ) as llm:
+    with GuardedLLM(model, [retry], probe_config=probe_config, enforce_eager=True) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=48)
         result = llm.generate([(TASK, email_text)], params)[0]
         for attempt in result.verdict.attempts:  # both attempts are recorded

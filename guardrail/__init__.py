@@ -5,7 +5,7 @@ Tracker), so a guarded request costs almost nothing more than an unguarded one.
 
 Example:
     >>> from guardrail import HookedLLM  # doctest: +SKIP
-    >>> with HookedLLM(dtype="float32") as llm:  # doctest: +SKIP
+    >>> with HookedLLM() as llm:  # doctest: +SKIP
     ...     print(llm.generate([("Summarize the email.", "Hi, lunch at noon?")])[0].probe.focus)
 """
 

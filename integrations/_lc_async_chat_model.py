@@ -7,7 +7,7 @@ directly, calls from other threads (``invoke``, ``stream``) or other loops are h
 which needs that loop running (e.g. the server's); otherwise they raise ``ConfigError``.
 
 Example:
-    >>> guard = await AsyncGuardedLLM.create(dtype="float32")  # doctest: +SKIP
+    >>> guard = await AsyncGuardedLLM.create()  # doctest: +SKIP
     >>> model = AsyncGuardedChatModel(guarded=guard)  # doctest: +SKIP
     >>> async for chunk in model.astream("Name three colors."):  # doctest: +SKIP
     ...     print(chunk.content, end="")

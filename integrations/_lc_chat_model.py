@@ -19,7 +19,7 @@ supported: ``bind_tools`` / ``with_structured_output`` raise ``NotImplementedErr
 
 Example:
     >>> from guardrail.guard.guarded import GuardedLLM
-    >>> model = GuardedChatModel(guarded=GuardedLLM(dtype="float32"))  # doctest: +SKIP
+    >>> model = GuardedChatModel(guarded=GuardedLLM())  # doctest: +SKIP
     >>> model.invoke("Hi").response_metadata["guardrail"]["action"]  # doctest: +SKIP
     'allow'
 """

@@ -484,10 +484,6 @@ async def _sse(
 
 # -- the command ------------------------------------------------------------------------------
 
-OWN_ENGINE_DEFAULTS: dict[str, Any] = {"dtype": "float32"}
-"""Engine arguments ``guardrail-serve`` starts with unless the command line gives them (vLLM's
-own default ``dtype`` is ``auto``; the shipped probe configs were calibrated in float32)."""
-
 
 def _engine_arg(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
@@ -546,11 +542,11 @@ def build_parser() -> Any:
 def parse_command(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, Any]]:
     """Parse ``guardrail-serve``'s command line: the namespace, and the vLLM engine arguments
     to start with: exactly those the command line gives, taken from vLLM's
-    ``AsyncEngineArgs.from_cli_args`` (plus ``OWN_ENGINE_DEFAULTS`` and any deprecated
-    ``--engine-arg``). Only given flags are forwarded, so the library's CPU defaults
-    (``guardrail.engine.defaults``: eager mode, the KV cache size) still fill what the user
-    left out: with argparse every field has a value, so what was given is found by parsing
-    again with every default suppressed (an explicit ``--no-enforce-eager`` counts as given)."""
+    ``AsyncEngineArgs.from_cli_args`` (plus any deprecated ``--engine-arg``). Only given flags
+    are forwarded, so the library's CPU defaults (``guardrail.engine.defaults``: float32, eager
+    mode, the KV cache size) still fill what the user left out, and on a GPU vLLM's own: with
+    argparse every field has a value, so what was given is found by parsing again with every
+    default suppressed (an explicit ``--no-enforce-eager`` counts as given)."""
     import dataclasses
 
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -569,11 +565,8 @@ def parse_command(argv: list[str] | None = None) -> tuple[argparse.Namespace, di
     fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     engine = AsyncEngineArgs.from_cli_args(args)
     engine_kwargs = {
-        **OWN_ENGINE_DEFAULTS,
-        **{
-            name: getattr(engine, name)
-            for name in sorted((given & fields) - {"model", "served_model_name"})
-        },
+        name: getattr(engine, name)
+        for name in sorted((given & fields) - {"model", "served_model_name"})
     }
     if args.engine_arg:
         print(
@@ -588,7 +581,6 @@ def parse_command(argv: list[str] | None = None) -> tuple[argparse.Namespace, di
 def main(argv: list[str] | None = None) -> None:
     """``guardrail-serve``: the guarded OpenAI-compatible server on one model."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's CPU build needs a KV size (GiB)
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # engine queues on loopback
     from guardrail.console import quiet_engine_logs
 
     command = sys.argv[1:] if argv is None else argv

@@ -66,8 +66,8 @@ def _description() -> str:
     names = ", ".join(SUBCOMMANDS)
     return (
         f"In-model prompt-injection guardrails: offline tools ({names}). On CPU, commands "
-        "that start an engine set VLLM_CPU_KVCACHE_SPACE=2 and VLLM_HOST_IP=127.0.0.1 unless "
-        "already set."
+        "that start an engine set VLLM_CPU_KVCACHE_SPACE=2, VLLM_HOST_IP=127.0.0.1 and "
+        "dtype float32 unless already set."
     )
 
 

@@ -61,7 +61,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="rows per engine call")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="vLLM's dtype (default: float32 on CPU, where the shipped configs were "
+        "calibrated; the model's own dtype on a GPU)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--hidden-layers",
@@ -93,7 +98,6 @@ def resolve_model(model: str | None) -> tuple[str, str]:
 def open_engine(model: str, heads: Sequence[HeadKey] | str, args: argparse.Namespace) -> Any:
     """Start a ``HookedLLM`` that scores ``heads`` ("all" for calibration)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from guardrail.engine import HookedLLM
 
@@ -106,7 +110,7 @@ def open_engine(model: str, heads: Sequence[HeadKey] | str, args: argparse.Names
         probe_heads=heads,
         probe_hidden_layers=list(getattr(args, "hidden_layers", None) or []),
         probe_data_mean_layers=list(getattr(args, "data_mean_layers", None) or []),
-        dtype=args.dtype,
+        **({} if args.dtype is None else {"dtype": args.dtype}),
         enforce_eager=True,
         max_model_len=args.max_model_len,
         seed=args.seed,

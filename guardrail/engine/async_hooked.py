@@ -20,7 +20,7 @@ process or ``/dev/shm`` segment of the engine behind. ``engine_pids`` lists the 
 
 Example:
     >>> async def main():  # doctest: +SKIP
-    ...     async with await AsyncHookedLLM.create(dtype="float32") as llm:
+    ...     async with await AsyncHookedLLM.create() as llm:
     ...         async for chunk in llm.stream(("Summarize the email.", "Hi, lunch at noon?")):
     ...             print(chunk.probe.focus if chunk.probe else "", chunk.text)
 """

@@ -4,6 +4,9 @@
 (``guardrail.engine.vllm_client`` asks vLLM's platform); on any other device they go to vLLM
 unchanged. An argument the user gave always wins, whatever its value.
 
+- ``dtype="float32"`` unless ``dtype`` is given: vLLM's ``auto`` would run a float32 checkpoint
+  in bfloat16, and the shipped probe configs were calibrated in float32 (on a GPU ``auto``
+  stays: the model's own dtype, which FlashAttention needs).
 - ``enforce_eager=True`` unless ``enforce_eager``, ``compilation_config`` or
   ``optimization_level`` is given. vLLM's default compiled mode compiles the model with
   torch.compile/Inductor (C++ kernels built by the system compiler) at every start: minutes on a
@@ -17,20 +20,31 @@ unchanged. An argument the user gave always wins, whatever its value.
   tokens of the embedded SmolLM2-135M in float32 (about three 8,192-token requests); a larger
   model or longer context needs a larger value, and vLLM says so at start.
 
+``cpu_environment`` sets ``VLLM_HOST_IP=127.0.0.1`` when it is unset (vLLM's engine queues bind
+to the host's address, which a sandboxed CPU machine may not resolve); never on other devices,
+where it would break multi-node serving.
+
 Example:
-    >>> cpu_defaults({"dtype": "float32"}, environ={})
+    >>> cpu_defaults({}, environ={})
     {'dtype': 'float32', 'enforce_eager': True, 'kv_cache_memory_bytes': 1073741824}
-    >>> cpu_defaults({"enforce_eager": False}, environ={"VLLM_CPU_KVCACHE_SPACE": "2"})
-    {'enforce_eager': False}
+    >>> cpu_defaults({"dtype": "bfloat16", "enforce_eager": 0}, environ={KV_CACHE_VARIABLE: "2"})
+    {'dtype': 'bfloat16', 'enforce_eager': 0}
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-__all__ = ["COMPILE_ARGUMENTS", "CPU_KV_CACHE_BYTES", "KV_CACHE_ARGUMENTS", "cpu_defaults"]
+__all__ = [
+    "COMPILE_ARGUMENTS",
+    "CPU_ENVIRONMENT",
+    "CPU_KV_CACHE_BYTES",
+    "KV_CACHE_ARGUMENTS",
+    "cpu_defaults",
+    "cpu_environment",
+]
 
 CPU_KV_CACHE_BYTES = 1 << 30
 """The CPU KV cache when the user sets no size: 1 GiB."""
@@ -44,6 +58,9 @@ KV_CACHE_ARGUMENTS = ("kv_cache_memory_bytes", "gpu_memory_utilization")
 
 KV_CACHE_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
 
+CPU_ENVIRONMENT = {"VLLM_HOST_IP": "127.0.0.1"}
+"""Environment variables set on the CPU when unset (see the module docstring)."""
+
 
 def cpu_defaults(
     engine_kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None
@@ -52,8 +69,16 @@ def cpu_defaults(
     module docstring). ``environ`` defaults to ``os.environ``; nothing is written to it."""
     env = os.environ if environ is None else environ
     arguments = dict(engine_kwargs)
+    arguments.setdefault("dtype", "float32")
     if not any(name in arguments for name in COMPILE_ARGUMENTS):
         arguments["enforce_eager"] = True
     if not any(name in arguments for name in KV_CACHE_ARGUMENTS) and not env.get(KV_CACHE_VARIABLE):
         arguments["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     return arguments
+
+
+def cpu_environment(environ: MutableMapping[str, str] | None = None) -> None:
+    """Set ``CPU_ENVIRONMENT``'s variables that ``environ`` (default ``os.environ``) lacks."""
+    env = os.environ if environ is None else environ
+    for name, value in CPU_ENVIRONMENT.items():
+        env.setdefault(name, value)

@@ -7,7 +7,7 @@ spans, attaching each request's probe spec (``ProbeClient``), and matching resul
 key it carries. Steering is a component (``SteeringClient``) this engine holds.
 
 Example:
-    >>> with HookedLLM(dtype="float32") as llm:  # doctest: +SKIP
+    >>> with HookedLLM() as llm:  # doctest: +SKIP
     ...     out = llm.generate([("Summarize the email.", "Hi, lunch at noon?")])[0]
     ...     print(out.probe.focus, out.text)
 """
@@ -43,7 +43,7 @@ from guardrail.engine.types import (
 from guardrail.engine.vllm_client import EngineHandle, abort_unfinished
 from guardrail.errors import ConfigError, EngineNotGuardableError, GuardrailError, RequestError
 from guardrail.probe.config import ModelProbeConfig
-from guardrail.probe.prompts import PreparedPrompt, RequestLike, prepare_prompt
+from guardrail.probe.prompts import PreparedPrompt, RequestLike, prepare_prompt, prepare_prompts
 from guardrail.probe.scoring import HeadKey
 from guardrail.protocol import (
     RPC_INSTALL,
@@ -206,6 +206,12 @@ class HookedLLM:
         with self._handle.lock:  # the tokenizer is not safe to share between threads
             return prepare_prompt(request, self.tokenizer, max_tokens=self._max_model_len)
 
+    def prepare_many(self, requests: Sequence[RequestLike]) -> list[PreparedPrompt | RequestError]:
+        """Render a batch, tokenized in one call: each entry a ``PreparedPrompt`` or the
+        ``RequestError`` that refused that request alone."""
+        with self._handle.lock:
+            return prepare_prompts(requests, self.tokenizer, max_tokens=self._max_model_len)
+
     def generate(
         self,
         requests: Sequence[RequestLike],
@@ -259,11 +265,13 @@ class HookedLLM:
         steered: dict[str, ResolvedSteering] = {}
         outputs: list[GuardedOutput | None] = [None] * len(requests)
         prompts, batch_params, sent = [], [], []
-        for i, request in enumerate(requests):
+        todo = [i for i in range(len(requests)) if i not in errors]
+        rendered = dict(zip(todo, self.prepare_many([requests[i] for i in todo]), strict=True))
+        for i in range(len(requests)):
             try:
-                if i in errors:
-                    raise errors[i]
-                prepared = self.prepare(request)
+                prepared = rendered[i] if i in rendered else errors[i]
+                if isinstance(prepared, GuardrailError):
+                    raise prepared
                 key = args.probe_keys[i] or uuid.uuid4().hex
                 stop_below, on_error = args.stop_below[i], bool(args.stop_on_probe_error[i])
                 spec = self.probe.spec(prepared, key, params[i], stop_below, on_error)

@@ -87,7 +87,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from guardrail.engine.defaults import cpu_defaults
+from guardrail.engine.defaults import cpu_defaults, cpu_environment
 from guardrail.errors import EngineClosedError, EngineDeadError, GuardrailError
 from guardrail.protocol import ENGINE_ENV
 
@@ -486,10 +486,12 @@ class EngineHandle:
     @staticmethod
     def start_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
         """The engine arguments to start vLLM with: ``arguments`` plus, when vLLM runs on the
-        CPU, the start-up defaults of ``guardrail.engine.defaults`` for what they leave unset."""
+        CPU, the start-up defaults of ``guardrail.engine.defaults`` for what they leave unset
+        (and its CPU environment variables, where unset)."""
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
+            cpu_environment()
             return cpu_defaults(arguments)
         return dict(arguments)
 

@@ -9,7 +9,7 @@ Retry policies (``retry_with_steering``) are refused here: the async engine cann
 
 Example:
     >>> async def main():  # doctest: +SKIP
-    ...     guard = await AsyncGuardedLLM.create(dtype="float32")
+    ...     guard = await AsyncGuardedLLM.create()
     ...     async for chunk in guard.stream(("Summarize the email.", "Hi, lunch at noon?")):
     ...         print(chunk.verdict.action if chunk.verdict else "", chunk.text)
     ...     guard.close()

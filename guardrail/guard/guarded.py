@@ -9,7 +9,7 @@ their text; shadow policies are recorded and never change the output.
 Example:
     >>> from guardrail.guard.guarded import GuardedLLM
     >>> from guardrail.policy.kinds import PromptInjectionPolicy
-    >>> llm = GuardedLLM(policies=[PromptInjectionPolicy()], dtype="float32")  # doctest: +SKIP
+    >>> llm = GuardedLLM(policies=[PromptInjectionPolicy()])  # doctest: +SKIP
     >>> result = llm.generate([("Summarize the email.", "Hi Bob, lunch?")])[0]  # doctest: +SKIP
     >>> result.verdict.action, result.text  # doctest: +SKIP
     (<Action.ALLOW: 'allow'>, 'Bob is invited to lunch.')

@@ -378,7 +378,6 @@ def _open_engine(args: argparse.Namespace) -> Any:
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     from guardrail.engine import HookedLLM
     from guardrail.errors import ModelConfigNotFoundError
     from guardrail.probe.config import ModelProbeConfig, load_model_config
@@ -398,7 +397,6 @@ def _open_engine(args: argparse.Namespace) -> Any:
     return HookedLLM(
         model,
         config,
-        dtype="float32",
         enforce_eager=True,
         max_model_len=args.max_model_len,
         seed=args.seed,

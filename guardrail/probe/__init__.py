@@ -26,6 +26,7 @@ from guardrail.probe.prompts import (
     control_token_ids,
     mark_untrusted,
     prepare_prompt,
+    prepare_prompts,
 )
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "mark_untrusted",
     "packaged_model_configs",
     "prepare_prompt",
+    "prepare_prompts",
     "read_model_config",
     "resolve_config",
     "shipped_variants",

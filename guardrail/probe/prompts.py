@@ -447,19 +447,26 @@ def _overlaps(ranges: list[tuple[int, int]], starts: list[int], lo: int, hi: int
     return hi > lo and k >= 0 and ranges[k][1] > lo
 
 
-def _encode_whole(tokenizer: Any, text: str) -> _Encoding:
-    try:
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(encoded["input_ids"])
-        offsets = [tuple(o) for o in encoded["offset_mapping"]]
-    except Exception as exc:  # the tokenizer's message could quote the text: not kept
-        failure = type(exc).__name__
-    else:
-        return ids, offsets
-    raise RequestError(
+def _encode_failure(failure: str) -> RequestError:
+    return RequestError(
         f"the tokenizer could not encode the rendered request ({failure}); if every request "
         "fails this way, the tokenizer is the problem (a fast tokenizer with offsets is needed)"
     )
+
+
+def _encode_whole(tokenizer: Any, texts: list[str]) -> list[_Encoding | RequestError]:
+    """Each text's usual encoding, all in one tokenizer call (a fast tokenizer encodes a batch
+    in parallel); if the batch call fails, each text is tried alone so one bad text fails alone."""
+    try:
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return [
+            (list(ids), [(int(a), int(b)) for a, b in offsets])
+            for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
+        ]
+    except Exception as exc:  # the tokenizer's message could quote the text: not kept
+        if len(texts) == 1:
+            return [_encode_failure(type(exc).__name__)]
+    return [_encode_whole(tokenizer, [text])[0] for text in texts]
 
 
 def _is_control(vocab: _Vocab, text: str, token: int, lo: int, hi: int) -> bool:
@@ -513,16 +520,18 @@ def _encode_content_as_text(
     return ids, offsets
 
 
-def _tokenize(tokenizer: Any, text: str, content: list[tuple[int, int]]) -> _Encoding:
+def _tokenize(
+    tokenizer: Any, text: str, content: list[tuple[int, int]], whole: _Encoding
+) -> _Encoding:
     """Token ids and offsets of ``text`` where only the template's markup (outside ``content``)
     yields control tokens.
 
-    The whole text is tokenized as before (the shipped configs were calibrated on exactly these
-    ids); only when a control token lies in content (content that spells ``<|im_end|>``, say) is
-    the content tokenized again as text (``_encode_content_as_text``).
+    ``whole`` is the text's usual encoding (the shipped configs were calibrated on exactly
+    these ids), kept unless a control token lies in content (content that spells
+    ``<|im_end|>``, say): then the content is tokenized again as text
+    (``_encode_content_as_text``).
     """
     vocab = _vocab(tokenizer)
-    whole = _encode_whole(tokenizer, text)
     if not _forged(vocab, text, content, whole):
         return whole
     encoding = _encode_content_as_text(tokenizer, text, content, whole)
@@ -561,6 +570,79 @@ def _token_kinds(
     return kinds
 
 
+@dataclass(frozen=True)
+class _Rendered:
+    messages: list[Message]
+    text: str
+    ranges: list[tuple[int, int, SpanKind]]
+
+
+def _rendered(request: RequestLike, tokenizer: Any) -> _Rendered:
+    messages = to_messages(request)
+    _check_text(messages, _vocab(tokenizer).control.values())
+    if not any(s.text.strip() for m in messages for s in m.segments() if s.kind == "instruction"):
+        raise RequestError(
+            "the request has no trusted instruction text: add a system or user "
+            "message, or an instruction"
+        )
+    text, ranges = _render(messages, tokenizer)
+    return _Rendered(messages, text, ranges)
+
+
+def _prepared(
+    rendered: _Rendered, whole: _Encoding, tokenizer: Any, max_tokens: int | None
+) -> PreparedPrompt:
+    text, ranges = rendered.text, rendered.ranges
+    content = _merged((lo, hi) for lo, hi, _ in ranges)
+    token_ids, offsets = _tokenize(tokenizer, text, content, whole)
+    if not token_ids:
+        raise RequestError("the request rendered to zero tokens")
+    if max_tokens is not None and len(token_ids) >= max_tokens:
+        raise RequestError(
+            f"the request has {len(token_ids)} prompt tokens but the engine's context is "
+            f"{max_tokens} tokens (max_model_len), leaving no room to generate: shorten the "
+            "data or start the engine with a larger max_model_len"
+        )
+    kinds = _token_kinds(offsets, ranges)
+    return PreparedPrompt(
+        token_ids=token_ids,
+        instruction_spans=_runs([k == "instruction" for k in kinds]),
+        data_spans=_runs([k == "data" for k in kinds]),
+        text=text,
+        segments=tuple(s for m in rendered.messages for s in m.segments()),
+    )
+
+
+def prepare_prompts(
+    requests: Sequence[RequestLike], tokenizer: Any, max_tokens: int | None = None
+) -> list[PreparedPrompt | RequestError]:
+    """``prepare_prompt`` for a batch: each request rendered, then all tokenized in one call.
+
+    Returns one entry per request, in order: its ``PreparedPrompt``, or the ``RequestError``
+    that refused it (one bad request fails alone).
+
+    Example:
+        >>> prepare_prompts([("Summarize.", "Hi"), "Hello"], tokenizer)  # doctest: +SKIP
+        [PreparedPrompt(...), PreparedPrompt(...)]
+    """
+    results: dict[int, PreparedPrompt | RequestError] = {}
+    rendered: dict[int, _Rendered] = {}
+    for i, request in enumerate(requests):
+        try:
+            rendered[i] = _rendered(request, tokenizer)
+        except RequestError as exc:
+            results[i] = exc
+    wholes = _encode_whole(tokenizer, [r.text for r in rendered.values()]) if rendered else []
+    for (i, item), whole in zip(rendered.items(), wholes, strict=True):
+        try:
+            if isinstance(whole, RequestError):
+                raise whole
+            results[i] = _prepared(item, whole, tokenizer, max_tokens)
+        except RequestError as exc:
+            results[i] = exc
+    return [results[i] for i in range(len(requests))]
+
+
 def prepare_prompt(
     request: RequestLike, tokenizer: Any, max_tokens: int | None = None
 ) -> PreparedPrompt:
@@ -576,31 +658,10 @@ def prepare_prompt(
         >>> p.data_spans  # doctest: +SKIP
         [(17, 18)]
     """
-    messages = to_messages(request)
-    _check_text(messages, _vocab(tokenizer).control.values())
-    if not any(s.text.strip() for m in messages for s in m.segments() if s.kind == "instruction"):
-        raise RequestError(
-            "the request has no trusted instruction text: add a system or user "
-            "message, or an instruction"
-        )
-    text, ranges = _render(messages, tokenizer)
-    token_ids, offsets = _tokenize(tokenizer, text, _merged((lo, hi) for lo, hi, _ in ranges))
-    if not token_ids:
-        raise RequestError("the request rendered to zero tokens")
-    if max_tokens is not None and len(token_ids) >= max_tokens:
-        raise RequestError(
-            f"the request has {len(token_ids)} prompt tokens but the engine's context is "
-            f"{max_tokens} tokens (max_model_len), leaving no room to generate: shorten the "
-            "data or start the engine with a larger max_model_len"
-        )
-    kinds = _token_kinds(offsets, ranges)
-    return PreparedPrompt(
-        token_ids=token_ids,
-        instruction_spans=_runs([k == "instruction" for k in kinds]),
-        data_spans=_runs([k == "data" for k in kinds]),
-        text=text,
-        segments=tuple(s for m in messages for s in m.segments()),
-    )
+    [prepared] = prepare_prompts([request], tokenizer, max_tokens)
+    if isinstance(prepared, RequestError):
+        raise prepared
+    return prepared
 
 
 def _occurrences(text: str, values: Iterable[str]) -> list[tuple[int, int]]:

@@ -435,7 +435,7 @@ def test_the_command_forwards_exactly_the_vllm_flags_given() -> None:
     """vLLM's own parser; only given flags reach the engine, so CPU defaults fill the rest."""
     args, engine = parse_command(["/models/m", "--port", "9001", "--served-model-name", "m"])
     assert (args.model, args.port, args.served_model_name) == ("/models/m", 9001, "m")
-    assert engine == {"dtype": "float32"}  # our one default: no enforce_eager, no KV cache size
+    assert engine == {}  # nothing of ours: dtype, eager and KV size stay vLLM's or the CPU defaults
 
     args, engine = parse_command(
         [

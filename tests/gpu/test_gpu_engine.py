@@ -25,6 +25,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 FP16_TOL = 2e-2
 """Largest difference allowed between the engine's float16 stats and float32 Hugging Face."""
 
+FP16_STREAM_TOL = 2e-2
+"""Largest relative error (L2, of the whole vector) of a float16 residual stream against float32
+Hugging Face: float16 keeps 11 bits (2^-11 = 5e-4 per operation), carried through 4 layers."""
+
 SHAPE = {
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -42,15 +46,16 @@ def fp16_llama_dir() -> Path:
     return build_tiny_model(root / "tiny-llama-fp16-h64", arch="llama", overrides=SHAPE)
 
 
-def _engine(model_dir: Path, eager: bool):  # type: ignore[no-untyped-def]
+def _engine(model_dir: Path, eager: bool, config=None, **extra):  # type: ignore[no-untyped-def]
     from guardrail.engine import HookedLLM
     from guardrail.probe.config import ModelProbeConfig
 
     heads = [(layer, head) for layer in range(4) for head in range(4)]
-    config = ModelProbeConfig(model_id="tiny", heads=heads, threshold=0.5)
+    config = config or ModelProbeConfig(model_id="tiny", heads=heads, threshold=0.5)
     return HookedLLM(
         str(model_dir),
         config,
+        **extra,
         dtype="float16",
         enforce_eager=eager,
         block_size=16,
@@ -109,5 +114,83 @@ def test_no_request_escapes_the_probe_under_full_cuda_graphs(fp16_llama_dir):
             assert not missing, missing
         cached_to_last = [o for o in outs if o.num_cached_tokens >= len(o.prompt.token_ids) - 1]
         print(f"cached up to the last token on the second pass: {len(cached_to_last)} of 24")
+    finally:
+        engine.close()
+
+
+def _hidden_config(hidden: int = 256):  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
+
+    rng = np.random.default_rng(0)
+    heads = [(layer, head) for layer in range(4) for head in range(4)]
+    parts = [
+        HiddenLayerProbe(
+            layer=layer,
+            dims=sorted(rng.choice(hidden, 12, replace=False).tolist()),
+            mean=rng.normal(0, 0.1, 12).tolist(),
+            scale=rng.uniform(0.5, 2.0, 12).tolist(),
+            weights=rng.normal(0, 1.0, 12).tolist(),
+            position=position,
+        )
+        for layer, position in ((1, "last"), (2, "last"), (2, "data_mean"), (3, "data_mean"))
+    ]
+    return ModelProbeConfig(
+        model_id="tiny",
+        probe="logistic",
+        heads=heads,
+        weights=rng.normal(0, 0.5, len(heads)).tolist(),
+        bias=0.1,
+        hidden=parts,
+        threshold=0.5,
+        hidden_size=hidden,
+    )
+
+
+def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir):
+    """Eager (the hidden read-outs are Python hooks): whole streams of layers 0-2 at the last
+    token and over the data, and the config's terms, against HF float32 on the same weights."""
+    import numpy as np
+
+    from tests.engine.test_hidden_state import hf_streams
+
+    config = _hidden_config()
+    engine = _engine(
+        fp16_llama_dir,
+        eager=True,
+        config=config,
+        probe_hidden_layers=[0, 1, 2],
+        probe_data_mean_layers=[0, 1, 2],
+        num_gpu_blocks_override=1024,  # the whole-stream memo holds 256 floats per KV slot
+    )
+    try:
+        batch = mixed_batch()
+        outs = engine.generate(batch, engine.sampling(max_tokens=2))
+        outs += engine.generate(batch, engine.sampling(max_tokens=2))  # data from the memo
+        worst_stream = worst_term = 0.0
+        for out in outs:
+            probe, p = out.probe, out.prompt
+            assert probe.error is None, probe.error
+            spans = tuple(tuple(s) for s in p.data_spans)
+            last, mean = hf_streams(str(fp16_llama_dir), tuple(p.token_ids), spans)
+            for layer in (0, 1, 2):
+                pairs = [(probe.hidden_states[layer], last[layer])]
+                if mean:
+                    pairs.append((probe.data_mean_states[layer], mean[layer]))
+                for got, want in pairs:
+                    error = np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want)
+                    worst_stream = max(worst_stream, float(error))
+            want_terms: dict[int, float] = {}
+            for part in config.hidden:
+                stream = last[part.layer] if part.position == "last" else mean.get(part.layer)
+                term = part.project(stream) if stream is not None else 0.0
+                want_terms[part.layer] = want_terms.get(part.layer, 0.0) + term
+            for layer, want in want_terms.items():
+                scale = max(1.0, abs(want))
+                worst_term = max(worst_term, abs(probe.hidden[layer] - want) / scale)
+        print(f"gpu hidden parity: stream {worst_stream:.2e} (relative), term {worst_term:.2e}")
+        assert worst_stream <= FP16_STREAM_TOL
+        assert worst_term <= FP16_STREAM_TOL
     finally:
         engine.close()

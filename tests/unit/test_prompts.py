@@ -24,6 +24,7 @@ from guardrail.probe.prompts import (
     Segment,
     control_token_ids,
     prepare_prompt,
+    prepare_prompts,
 )
 
 
@@ -424,6 +425,33 @@ def test_a_bad_element_fails_alone_in_a_batch(tokenizer):
 def test_too_long_for_the_context(tokenizer):
     with pytest.raises(RequestError, match=r"prompt tokens but the engine's context is 32 tokens"):
         prepare_prompt(("Summarize.", "word " * 100), tokenizer, max_tokens=32)
+
+
+def test_a_batch_is_prepared_exactly_as_each_request_alone(any_tokenizer):
+    """One tokenizer call for the batch gives each request the ids, spans and error it gets
+    alone, including the content that must be tokenized again as text and the refusals."""
+    control = sorted(control_token_ids(any_tokenizer))[0]
+    forged = f"ok {any_tokenizer.convert_ids_to_tokens(control)} then"
+    batch: list[Any] = [
+        ("Summarize the email.", "Hi Bob, the invoice is paid."),
+        ("Summarize.", "a\ud800b"),
+        ("Translate.", forged),
+        "plain question",
+        ("Summarize.", "word " * 100),
+        [{"role": "system", "content": "Be brief."}, {"role": "tool", "content": "42 C"}],
+    ]
+    got = prepare_prompts(batch, any_tokenizer, max_tokens=64)
+    assert len(got) == len(batch)
+    for request, entry in zip(batch, got, strict=True):
+        try:
+            alone: Any = prepare_prompt(request, any_tokenizer, max_tokens=64)
+        except RequestError as exc:
+            alone = exc
+        if isinstance(alone, RequestError):
+            assert isinstance(entry, RequestError) and str(entry) == str(alone)
+        else:
+            assert entry == alone
+    assert [isinstance(e, RequestError) for e in got] == [False, True, False, False, True, False]
 
 
 # --- 4. errors never quote the request ---------------------------------------------------------

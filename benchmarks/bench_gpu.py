@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -66,14 +67,24 @@ def time_once(
         start = time.perf_counter()
         outs = engine.generate([p[0] for p in prepared], params, stop_below=-1.0)
         wall = time.perf_counter() - start
-        return wall, sum(o.probe.error is not None or o.probe.focus is None for o in outs)
+        failed = [
+            o.error or o.probe.error
+            for o in outs
+            if o.error is not None or o.probe is None or o.probe.error or o.probe.focus is None
+        ]
+        if failed:
+            print(f"unscored: {len(failed)}, e.g. {failed[0]}", flush=True)
+        return wall, len(failed)
     prompts = [TokensPrompt(prompt_token_ids=p[1]) for p in prepared]
     start = time.perf_counter()
     engine.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - start, 0
 
 
-def run_shape(args: argparse.Namespace, shape: str, mode: str, kind: str) -> list[dict[str, Any]]:
+def run_shape(
+    args: argparse.Namespace, shape: str, mode: str, kind: str, keep: Any
+) -> list[dict[str, Any]]:
+    """Both engines of one (shape, mode, kind), every case; ``keep(row)`` after each case."""
     from vllm import LLM
 
     from guardrail.engine import HookedLLM
@@ -128,6 +139,7 @@ def run_shape(args: argparse.Namespace, shape: str, mode: str, kind: str) -> lis
             }
         )
         print(json.dumps(rows[-1]), flush=True)
+        keep(rows[-1])
     guarded.close()
     del plain
     return rows
@@ -160,16 +172,21 @@ def main() -> None:
         "torch": torch.__version__,
         "guardrail": getattr(guardrail, "__version__", "dev"),
         "repeats": args.repeats,
+        "commit": os.environ.get("GUARDRAIL_COMMIT", "unknown"),  # the tree has no .git there
     }
     rows: list[dict[str, Any]] = []
+
+    def keep(row: dict[str, Any]) -> None:  # written after every case: a cut run keeps its rows
+        rows.append(row)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
+
     for shape in args.shapes:
         for mode in args.modes:
             for kind in args.kinds:
                 if kind == "combined" and mode == "compiled":
                     continue  # the hidden read-out needs eager mode (the detection issue)
-                rows += run_shape(args, shape, mode, kind)
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
+                run_shape(args, shape, mode, kind, keep)
 
 
 if __name__ == "__main__":

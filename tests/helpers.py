@@ -31,22 +31,28 @@ from guardrail.steering import SteeringMetadata, SteeringVector
 
 
 @lru_cache(maxsize=2)
-def _load(model_dir: str) -> Any:
+def _load(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
+        model_dir, dtype=dtype, attn_implementation="eager"
     )
-    return model.eval()
+    return model.to(device).eval()
 
 
 @lru_cache(maxsize=64)
-def _last_token_attention(model_dir: str, token_ids: tuple[int, ...]) -> list[torch.Tensor]:
-    """Per layer, the attention rows [heads, tokens] of the last token (eager, float32)."""
-    model = _load(model_dir)
+def _last_token_attention(
+    model_dir: str,
+    token_ids: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> list[torch.Tensor]:
+    """Per layer, the attention rows [heads, tokens] of the last token (eager; float32 on the
+    CPU unless ``dtype`` / ``device`` say otherwise)."""
+    model = _load(model_dir, dtype, device)
     with torch.no_grad():
-        out = model(torch.tensor([list(token_ids)]), output_attentions=True)
-    return [layer[0, :, -1].double() for layer in out.attentions]
+        out = model(torch.tensor([list(token_ids)], device=device), output_attentions=True)
+    return [layer[0, :, -1].double().cpu() for layer in out.attentions]
 
 
 def hf_head_stats(
@@ -55,10 +61,12 @@ def hf_head_stats(
     instruction_spans: Sequence[tuple[int, int]],
     data_spans: Sequence[tuple[int, int]],
     heads: Sequence[tuple[int, int]],
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> dict[tuple[int, int], list[float]]:
     """Attention stats per head (instruction, data and sink mass, largest data token, data
     entropy / log(data tokens)) from HF eager attention of the last prompt token."""
-    rows = _last_token_attention(model_dir, tuple(token_ids))
+    rows = _last_token_attention(model_dir, tuple(token_ids), dtype, device)
     instr = [i for a, b in instruction_spans for i in range(a, b)]
     data = [i for a, b in data_spans for i in range(a, b)]
     stats = {}

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -194,7 +195,7 @@ class ProbeClient:
     def attach(params: Any, spec: ProbeSpec) -> Any:
         """A copy of ``params`` (vLLM ``SamplingParams``) carrying ``spec``; a stopping spec
         also makes its stop token end the request."""
-        params = params.clone()
+        params = copy.copy(params)  # shallow: only new objects are assigned below (vLLM clones)
         params.extra_args = {**(params.extra_args or {}), PROBE_ARG: spec}
         stop_token = spec.get("stop_token")
         if stop_token is not None and stop_token not in (params.stop_token_ids or []):

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from guardrail.errors import RequestError
@@ -221,6 +222,7 @@ class _Vocab:
     control: dict[int, str]  # id -> text of every special (control) token
     unk_id: int | None
     encode_text: Callable[[str], _Encoding]  # tokenize as text: special tokens not recognised
+    encode_batch: Callable[[list[str]], list[_Encoding]] | None  # the usual encoding, batched
 
 
 _VOCABS: weakref.WeakKeyDictionary[Any, _Vocab] = weakref.WeakKeyDictionary()
@@ -256,6 +258,28 @@ def _text_encoder(tokenizer: Any) -> Callable[[str], _Encoding]:
     return encode_split
 
 
+def _batch_encoder(tokenizer: Any) -> Callable[[list[str]], list[_Encoding]] | None:
+    """The usual encoding of many texts in one call of a private copy of a fast tokenizer's
+    backend (no truncation or padding, whatever the caller's tokenizer was last set to): what
+    ``tokenizer(texts, add_special_tokens=False)`` computes, without its per-token Python
+    conversion. None for a tokenizer without such a backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    whole = type(backend).from_str(backend.to_str())
+    whole.no_truncation()
+    whole.no_padding()
+    whole.encode_special_tokens = False  # the template's markup must yield its control tokens
+    lock = threading.Lock()  # the copy is shared by every caller of this tokenizer
+
+    def encode_batch(texts: list[str]) -> list[_Encoding]:
+        with lock:
+            encodings = whole.encode_batch(texts, add_special_tokens=False)
+        return [(e.ids, e.offsets) for e in encodings]
+
+    return encode_batch
+
+
 def _vocab(tokenizer: Any) -> _Vocab:
     size = len(tokenizer)
     try:
@@ -271,7 +295,7 @@ def _vocab(tokenizer: Any) -> _Vocab:
     for name, i in zip(names, ids, strict=False):
         control.setdefault(int(i), str(name))
     unk = getattr(tokenizer, "unk_token_id", None)
-    vocab = _Vocab(size, control, unk, _text_encoder(tokenizer))
+    vocab = _Vocab(size, control, unk, _text_encoder(tokenizer), _batch_encoder(tokenizer))
     try:
         with _VOCABS_LOCK:
             _VOCABS[tokenizer] = vocab
@@ -458,6 +482,9 @@ def _encode_whole(tokenizer: Any, texts: list[str]) -> list[_Encoding | RequestE
     """Each text's usual encoding, all in one tokenizer call (a fast tokenizer encodes a batch
     in parallel); if the batch call fails, each text is tried alone so one bad text fails alone."""
     try:
+        encode_batch = _vocab(tokenizer).encode_batch
+        if encode_batch is not None:
+            return list(encode_batch(texts))
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         return [
             (list(ids), [(int(a), int(b)) for a, b in offsets])
@@ -544,30 +571,33 @@ def _tokenize(
     return encoding
 
 
-def _runs(flags: list[bool]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    start = None
-    for i, flag in enumerate([*flags, False]):
-        if flag and start is None:
-            start = i
-        elif not flag and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
+def _runs(flags: np.ndarray | Sequence[bool]) -> list[tuple[int, int]]:
+    """Half-open runs of True in a sequence of booleans."""
+    as_int = np.asarray(flags, dtype=np.int8).reshape(-1)
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], as_int, [0]))))
+    return [(int(lo), int(hi)) for lo, hi in zip(edges[::2], edges[1::2], strict=True)]
+
+
+_KIND_CODES: dict[SpanKind, int] = {"other": 0, "instruction": 1, "data": 2}
 
 
 def _token_kinds(
-    offsets: list[tuple[int, int]], ranges: list[tuple[int, int, SpanKind]]
-) -> list[SpanKind]:
-    """Each token's kind: that of the segment holding its last character ("other" if none)."""
+    offsets: Sequence[tuple[int, int]], ranges: list[tuple[int, int, SpanKind]]
+) -> np.ndarray:
+    """Each token's kind code (``_KIND_CODES``): that of the segment holding its last character
+    ("other" if none)."""
     placed = sorted((lo, hi, kind) for lo, hi, kind in ranges if hi > lo)
-    starts = [lo for lo, _, _ in placed]
-    kinds: list[SpanKind] = []
-    for start, end in offsets:
-        k = bisect.bisect_right(starts, end - 1) - 1
-        inside = end > start and k >= 0 and placed[k][1] > end - 1
-        kinds.append(placed[k][2] if inside else "other")
-    return kinds
+    ends_at = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    if not placed or not len(ends_at):
+        return np.zeros(len(ends_at), dtype=np.int8)
+    starts = np.array([lo for lo, _, _ in placed], dtype=np.int64)
+    stops = np.array([hi for _, hi, _ in placed], dtype=np.int64)
+    codes = np.array([_KIND_CODES[kind] for _, _, kind in placed], dtype=np.int8)
+    last_char = ends_at[:, 1] - 1
+    k = np.searchsorted(starts, last_char, side="right") - 1
+    at = k.clip(min=0)
+    inside = (ends_at[:, 1] > ends_at[:, 0]) & (k >= 0) & (stops[at] > last_char)
+    return np.where(inside, codes[at], 0).astype(np.int8)
 
 
 @dataclass(frozen=True)
@@ -605,9 +635,9 @@ def _prepared(
         )
     kinds = _token_kinds(offsets, ranges)
     return PreparedPrompt(
-        token_ids=token_ids,
-        instruction_spans=_runs([k == "instruction" for k in kinds]),
-        data_spans=_runs([k == "data" for k in kinds]),
+        token_ids=list(token_ids),
+        instruction_spans=_runs(kinds == _KIND_CODES["instruction"]),
+        data_spans=_runs(kinds == _KIND_CODES["data"]),
         text=text,
         segments=tuple(s for m in rendered.messages for s in m.segments()),
     )

@@ -99,9 +99,29 @@ def batched_attention_stats(
         tensor([[0.3333, 0.6667, 0.3333, 0.3333, 1.0000],
                 [0.5000, 0.5000, 0.5000, 0.5000, 0.0000]])
     """
+    logits = batched_logits(q, k, scale, softcap)
+    return stats_from_logits(logits, valid, instruction_mask, data_mask)
+
+
+def batched_logits(
+    q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None = None
+) -> torch.Tensor:
+    """Attention logits of each row's query over its keys, in float32: q [rows, heads, dim], k
+    [rows, tokens, heads, dim] -> [rows, heads, tokens] (soft-capped when ``softcap``)."""
     logits = torch.einsum("rhd,rthd->rht", q.float(), k.float()) * scale
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
+def stats_from_logits(
+    logits: torch.Tensor,
+    valid: torch.Tensor,
+    instruction_mask: torch.Tensor,
+    data_mask: torch.Tensor,
+) -> torch.Tensor:
+    """The five stats from logits [rows, heads, tokens] (``batched_logits``; heads of several
+    layers may sit side by side) and masks [rows, tokens]: [rows, heads, 5] float32."""
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     attn = torch.softmax(logits, dim=-1)  # [rows, heads, tokens]
     on_data = attn * data_mask[:, None, :]
@@ -130,7 +150,11 @@ def head_focus(head_stats: Mapping[HeadKey, Sequence[float]]) -> dict[HeadKey, f
         >>> {h: round(f, 4) for h, f in head_focus({(2, 1): [0.3, 0.1, 0.5, 0.1, 1.0]}).items()}
         {(2, 1): 0.75}
     """
-    return {h: float(focus_of(np.asarray(s))) for h, s in head_stats.items()}
+    # plain float arithmetic: the same IEEE doubles as focus_of on float64, without numpy per head
+    return {
+        h: float(s[INSTRUCTION]) / (float(s[INSTRUCTION]) + float(s[DATA]) + EPS)
+        for h, s in head_stats.items()
+    }
 
 
 def mean_focus(head_scores: Mapping[HeadKey, float], heads: Sequence[HeadKey]) -> float:

@@ -38,7 +38,7 @@ def build_dummy_model(shape: str, root: Path) -> Path:
     out = root / f"dummy-{shape}"
     out.mkdir(parents=True, exist_ok=True)
     for name in tiny.iterdir():
-        if name.name.startswith("tokenizer") or name.name == "special_tokens_map.json":
+        if name.name.startswith(("tokenizer", "chat_template", "special_tokens_map")):
             shutil.copy(name, out / name.name)
     config = json.loads((tiny / "config.json").read_text())
     config.update(DUMMY_SHAPES[shape])

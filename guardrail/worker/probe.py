@@ -31,7 +31,7 @@ import torch
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.device_focus import DeviceFocus
 from guardrail.probe.kv_layout import KeyGather, key_gather_for
-from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, batched_attention_stats
+from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, batched_logits, stats_from_logits
 from guardrail.protocol import MAX_STORED_RESULTS, PROBE_ARG, ProbeResultData
 from guardrail.worker.hidden import HiddenReader, install_hidden
 from guardrail.worker.rows import (
@@ -131,6 +131,7 @@ class Probe:
         self.config = config  # combines head scores into the focus (stops)
         self.layers: dict[int, Layer] = {}
         self.hidden: dict[int, HiddenReader] = {}
+        self.first_layer = -1  # the first hooked attention layer (checks the KV layout)
         self.last_layer = -1  # the step's probe finishes after this layer's attention ...
         self.finish_on_hidden = False  # ... or after this decoder layer's output
         self.needs_data_slots = False  # a hidden reader averages over the data tokens
@@ -224,40 +225,36 @@ class Probe:
     def score_layer(
         self, layer: Layer, query: torch.Tensor, kv_cache: torch.Tensor, key: torch.Tensor
     ) -> None:
-        """This layer's stats for every scored row: [rows, heads, 5], kept on the device."""
+        """This layer's attention logits for every scored row: [rows, heads, tokens] float32,
+        kept on the device; the stats of all layers are computed from them at the end of the
+        step, in one pass (``finish_step``). The first hooked layer also checks the KV layout:
+        the cached key of each row's last prompt token must be the key the layer computed."""
         rows = self.rows
         if not rows.scored:
             return
         assert rows.token_rows is not None and rows.slots is not None
         assert rows.last_slots is not None
-        if not layer.global_heads:  # hooked only to finish in step with the other ranks
-            rows.stats.append(query.new_zeros((rows.scored, 0, WIDTH), dtype=torch.float32))
+        tokens, heads = rows.slots.shape[1], len(layer.global_heads)
+        if not heads:  # hooked only to finish in step with the other ranks
+            rows.logits.append(query.new_zeros((rows.scored, 0, tokens), dtype=torch.float32))
             return
         dim = query.shape[-1]
-        computed = key.index_select(0, rows.token_rows).reshape(rows.scored, -1, dim)
-        cached = self.gather(kv_cache, rows.last_slots)
-        close = torch.isclose(cached.float(), computed.float(), rtol=1e-3, atol=1e-3)
-        rows.flag(LAYOUT, ~close.flatten(1).all(1))
+        if layer.index == self.first_layer:
+            computed = key.index_select(0, rows.token_rows).reshape(rows.scored, -1, dim)
+            cached = self.gather(kv_cache, rows.last_slots)
+            close = torch.isclose(cached.float(), computed.float(), rtol=1e-3, atol=1e-3)
+            rows.flag(LAYOUT, ~close.flatten(1).all(1))
         q = query.index_select(0, rows.token_rows).reshape(rows.scored, -1, dim)
         q = q.index_select(1, layer.local_heads)
-        tokens, heads = rows.slots.shape[1], len(layer.global_heads)
         chunk = max(1, CHUNK_ELEMENTS // max(tokens * heads * dim, 1))
         parts = []
         for lo in range(0, rows.scored, chunk):  # one pass unless the step is very large
             hi = lo + chunk
             keys = self.gather(kv_cache, rows.slots[lo:hi]).index_select(2, layer.kv_heads)
             parts.append(
-                batched_attention_stats(
-                    q[lo:hi],
-                    keys,
-                    rows.valid[lo:hi],  # type: ignore[index]
-                    rows.instruction[lo:hi],  # type: ignore[index]
-                    rows.data[lo:hi],  # type: ignore[index]
-                    float(layer.impl.scale),
-                    layer.impl.logits_soft_cap,
-                )
+                batched_logits(q[lo:hi], keys, float(layer.impl.scale), layer.impl.logits_soft_cap)
             )
-        rows.stats.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+        rows.logits.append(parts[0] if len(parts) == 1 else torch.cat(parts))
 
     # -- end of step ---------------------------------------------------------------------------
     def finish_step(self) -> None:
@@ -301,8 +298,10 @@ class Probe:
 
     def _device_table(self, rows: StepRows) -> tuple[dict[str, torch.Tensor], Any]:
         """The step's results as device tensors by name, and the focus (None: no stops)."""
-        assert rows.flags is not None
-        stats = torch.cat(rows.stats, dim=1)  # [K, local heads, 5]
+        assert rows.flags is not None and rows.valid is not None
+        assert rows.instruction is not None and rows.data is not None
+        logits = torch.cat(rows.logits, dim=1)  # [K, local heads of every layer, T]
+        stats = stats_from_logits(logits, rows.valid, rows.instruction, rows.data)
         flags = rows.flags
         if self.settings.tp_size > 1:
             stats, flags = self._combine_ranks(stats, flags)
@@ -545,6 +544,7 @@ def install_probe(
         )
         module.impl.forward = make_probe_forward(probe, layer, runner)
         probe.layers[layer_index] = layer
+    probe.first_layer = min(probe.layers, default=-1)
     probe.last_layer = max(probe.layers, default=-1)
     install_hidden(probe, runner, info, config, raw_hidden_layers or [], raw_data_mean_layers or [])
     probe.ready()

@@ -58,7 +58,7 @@ class StepRows:
     slots: torch.Tensor | None = None  # [K, T] long: KV slot of every position
     last_slots: torch.Tensor | None = None  # [K] long: KV slot of the last prompt token
     flags: torch.Tensor | None = None  # [K, len(FLAG_MESSAGES)] bool
-    stats: list[torch.Tensor] = field(default_factory=list)  # per hooked layer [K, heads, 5]
+    logits: list[torch.Tensor] = field(default_factory=list)  # per hooked layer [K, heads, T]
     terms: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K] logit term
     streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K, hidden]
     mean_streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K, hidden]

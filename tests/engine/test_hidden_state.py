@@ -33,24 +33,29 @@ def engine(tiny_hidden_engine: Any) -> Any:
 
 @lru_cache(maxsize=64)
 def hf_streams(
-    model_dir: str, token_ids: tuple[int, ...], data_spans: tuple[tuple[int, int], ...]
+    model_dir: str,
+    token_ids: tuple[int, ...],
+    data_spans: tuple[tuple[int, int], ...],
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
     """The residual stream after each decoder layer (HF, float32): at the last token, and
     averaged over the data tokens (no entry without data). Layer 3 is the model's last: HF
     norms its output, so it is read from a model without the final norm."""
-    model = _load(model_dir)
+    model = _load(model_dir, dtype, device)
     norm, model.model.norm = model.model.norm, torch.nn.Identity()
     try:
         with torch.no_grad():
-            out = model(torch.tensor([list(token_ids)]), output_hidden_states=True)
+            ids = torch.tensor([list(token_ids)], device=device)
+            out = model(ids, output_hidden_states=True)
     finally:
         model.model.norm = norm
     # hidden_states[0] is the embedding; [i + 1] the output of layer i
     layers = range(len(out.hidden_states) - 1)
-    last = {i: out.hidden_states[i + 1][0, -1].double().numpy() for i in layers}
+    last = {i: out.hidden_states[i + 1][0, -1].double().cpu().numpy() for i in layers}
     positions = [t for a, b in data_spans for t in range(a, b)]
     mean = {
-        i: out.hidden_states[i + 1][0, positions].double().mean(0).numpy()
+        i: out.hidden_states[i + 1][0, positions].double().mean(0).cpu().numpy()
         for i in layers
         if positions
     }

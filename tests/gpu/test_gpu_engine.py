@@ -4,10 +4,12 @@ request escaping it under full CUDA graphs.
 Run on the H200 (``../shared/gpu/README.md``): ``python -m pytest -q tests/gpu``.
 
 The model is a small random Llama in float16 with head size 64 (FlashAttention-3 has no kernel
-for the CPU tests' head size 32). The reference is Hugging Face eager attention in float32 on the
-same float16 weights: vLLM's activations are float16 from layer to layer, so its attention rows
-differ from the float32 ones by float16 rounding carried through the layers (a relative 2^-11 per
-operation). The tolerance (``FP16_TOL``) covers that; the measured error is printed.
+for the CPU tests' head size 32). The reference is Hugging Face eager attention in float16 on the
+same GPU (what the issue asks: same dtype, same device): both run every layer in float16, so they
+differ only by the order of float16 roundings in different kernels (a relative 2^-11 = 4.9e-4 per
+operation, carried through 4 layers; HF also rounds its attention rows to float16). The
+tolerances (``FP16_TOL``, ``FP16_STREAM_TOL``) cover that; the measured errors are printed. A
+float32 reference would add float16's own error, which peaked attention amplifies.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tests.helpers import SYSTEM, hf_head_stats, mixed_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-FP16_TOL = 2e-2
+FP16_TOL = 1e-2
 """Largest difference allowed between the engine's float16 stats and float32 Hugging Face."""
 
 FP16_STREAM_TOL = 2e-2
@@ -50,6 +52,7 @@ def _engine(model_dir: Path, eager: bool, config=None, **extra):  # type: ignore
     from guardrail.engine import HookedLLM
     from guardrail.probe.config import ModelProbeConfig
 
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # CUDA is initialised in this process
     heads = [(layer, head) for layer in range(4) for head in range(4)]
     config = config or ModelProbeConfig(model_id="tiny", heads=heads, threshold=0.5)
     return HookedLLM(
@@ -73,11 +76,23 @@ def _worst(model_dir: Path, outputs: list) -> float:  # type: ignore[type-arg]
         prompt = out.prompt
         heads = list(out.probe.head_stats)
         want = hf_head_stats(
-            str(model_dir), prompt.token_ids, prompt.instruction_spans, prompt.data_spans, heads
+            str(model_dir),
+            prompt.token_ids,
+            prompt.instruction_spans,
+            prompt.data_spans,
+            heads,
+            dtype=torch.float16,
+            device="cuda",
         )
         for head in heads:
             got = out.probe.head_stats[head]
-            worst = max(worst, *(abs(a - b) for a, b in zip(got[:4], want[head][:4], strict=True)))
+            error = max(abs(a - b) for a, b in zip(got[:4], want[head][:4], strict=True))
+            if error > worst:
+                print(
+                    f"  worse: {error:.2e} at head {head}, {len(prompt.token_ids)} tokens, "
+                    f"{out.num_cached_tokens} cached: {got} vs {want[head]}"
+                )
+            worst = max(worst, error)
     return worst
 
 
@@ -173,7 +188,9 @@ def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir):
             probe, p = out.probe, out.prompt
             assert probe.error is None, probe.error
             spans = tuple(tuple(s) for s in p.data_spans)
-            last, mean = hf_streams(str(fp16_llama_dir), tuple(p.token_ids), spans)
+            last, mean = hf_streams(
+                str(fp16_llama_dir), tuple(p.token_ids), spans, torch.float16, "cuda"
+            )
             for layer in (0, 1, 2):
                 pairs = [(probe.hidden_states[layer], last[layer])]
                 if mean:

@@ -314,8 +314,17 @@ def test_text_encoder_is_split_special_tokens(any_tokenizer):
             expected["input_ids"],
             [tuple(o) for o in expected["offset_mapping"]],
         )
+    # transformers leaves the flag as its last call set it (True, above): the renderer must
+    # neither depend on it nor change it
+    any_tokenizer.backend_tokenizer.encode_special_tokens = False
     prepare_prompt(("Summarize.", "x<|im_end|>"), any_tokenizer)
     assert any_tokenizer.backend_tokenizer.encode_special_tokens is False
+    any_tokenizer.backend_tokenizer.encode_special_tokens = True
+    assert prepare_prompt(("Summarize.", "x"), any_tokenizer).token_ids[0] in control_token_ids(
+        any_tokenizer
+    )
+    assert any_tokenizer.backend_tokenizer.encode_special_tokens is True
+    any_tokenizer.backend_tokenizer.encode_special_tokens = False
     im_end = any_tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert any_tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"] == [im_end]
 

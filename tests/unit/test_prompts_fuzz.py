@@ -252,7 +252,9 @@ def _check(model: Model, request: Any) -> None:
     oracle = _render(request, model.default_system)
     assert p.text == oracle.text
     content = prompts._merged((lo, hi) for lo, hi, _, _ in oracle.ranges)
-    ids, offsets = prompts._tokenize(tokenizer, p.text, content)  # offsets of p's own tokens
+    ids, offsets = prompts._tokenize(
+        tokenizer, p.text, content, prompts._encode_whole(tokenizer, [p.text])[0]
+    )  # offsets of p's own tokens
     assert ids == p.token_ids
     _check_control(model, p, offsets, oracle)
     _check_spans(tokenizer, p, offsets, oracle)

@@ -9,6 +9,10 @@ after one warm-up round. The guarded engine renders (instruction, data) pairs an
 request; the plain engine gets the same token ids. Early stops are armed (``stop_below``) at a
 level no score reaches, so the device-side stop runs on every request and nothing is cut short.
 
+With ``--plain-v1`` a third engine, plain vLLM forced onto its V1 model runner, runs in the same
+rotation: the guarded engine's logits processor (early stops) makes vLLM fall back from Model
+Runner V2 to V1, and this arm shows what that fallback costs by itself.
+
 Reported per (shape, mode, probe kind, prompt length, batch, tokens generated): median wall
 time of each engine, throughput ratio guarded/plain, and how many requests came back unscored
 (must be 0). With one generated token and batch 1, the wall time is the time to first token.
@@ -95,29 +99,34 @@ def run_shape(
     engine_args: dict[str, Any] = {
         "load_format": "dummy",
         "dtype": "bfloat16",
-        "max_model_len": max(args.lengths) + max(args.max_tokens) + 64,
+        # prompts land within a few % of their target length (fresh numbers every round)
+        "max_model_len": int(max(args.lengths) * 1.15) + max(args.max_tokens) + 64,
         "gpu_memory_utilization": args.memory,
         "seed": 0,
         "enforce_eager": mode == "eager",
     }
     guarded = HookedLLM(model, dummy_probe_config(shape, kind), **engine_args)
-    plain = LLM(model, **engine_args)
-    tokenizer = plain.get_tokenizer()
+    engines: dict[str, Any] = {"guarded": guarded, "plain": LLM(model, **engine_args)}
+    if args.plain_v1:  # the guarded engine runs vLLM's V1 model runner (its logits processor)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        try:
+            engines["plain_v1"] = LLM(model, **engine_args)
+        finally:
+            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+    tokenizer = engines["plain"].get_tokenizer()
     rows = []
     cases = [(n, b, t) for n in args.lengths for b in args.batches for t in args.max_tokens]
     for length, batch, max_tokens in tqdm(cases, desc=f"{shape} {mode} {kind}"):
-        walls: dict[str, list[float]] = {"plain": [], "guarded": []}
+        walls: dict[str, list[float]] = {name: [] for name in engines}
         unscored = 0
         for repeat in range(args.repeats + 1):
             reqs = requests_of(
                 length, batch, salt=repeat * 1000 + length + batch, tokenizer=tokenizer
             )
             prepared = [(r, prepare_prompt(r, tokenizer).token_ids) for r in reqs]
-            order = ["plain", "guarded"] if repeat % 2 else ["guarded", "plain"]
+            order = list(engines) if repeat % 2 else list(reversed(engines))
             for name in order:
-                wall, missing = time_once(
-                    guarded if name == "guarded" else plain, name == "guarded", prepared, max_tokens
-                )
+                wall, missing = time_once(engines[name], name == "guarded", prepared, max_tokens)
                 if repeat:
                     walls[name].append(wall)
                     unscored += missing
@@ -133,15 +142,18 @@ def run_shape(
                 "plain_s": round(plain_s, 5),
                 "guarded_s": round(guarded_s, 5),
                 "ratio": round(plain_s / guarded_s, 3),
-                "plain_runs": [round(w, 5) for w in walls["plain"]],
-                "guarded_runs": [round(w, 5) for w in walls["guarded"]],
+                **{f"{name}_runs": [round(w, 5) for w in runs] for name, runs in walls.items()},
                 "unscored": unscored,
             }
         )
+        if "plain_v1" in walls:
+            plain_v1_s = statistics.median(walls["plain_v1"])
+            rows[-1]["plain_v1_s"] = round(plain_v1_s, 5)
+            rows[-1]["ratio_v1"] = round(plain_v1_s / guarded_s, 3)
         print(json.dumps(rows[-1]), flush=True)
         keep(rows[-1])
     guarded.close()
-    del plain
+    engines.clear()
     return rows
 
 
@@ -156,7 +168,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--memory", type=float, default=0.42, help="GPU memory share per engine")
+    parser.add_argument("--memory", type=float, default=0.3, help="GPU memory share per engine")
+    parser.add_argument(
+        "--plain-v1",
+        action="store_true",
+        help="a third arm: plain vLLM on its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0), "
+        "the runner the guarded engine falls back to, so the fallback's own cost shows",
+    )
     parser.add_argument("--cache", type=Path, default=Path("/tmp/guardrail-bench"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/gpu_h200.json")
     args = parser.parse_args()

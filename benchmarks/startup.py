@@ -288,10 +288,12 @@ and checks what is left. Modes alternate run by run; medians in bold.
 
 ## Defaults on CPU
 
-When vLLM runs on the CPU, `HookedLLM` and `GuardedLLM` fill in two engine arguments the caller
-left unset (`guardrail/engine/defaults.py`; an argument the caller gives always wins, and on
-other devices nothing is added):
+When vLLM runs on the CPU, `HookedLLM` and `GuardedLLM` fill in three engine arguments and
+one variable the caller left unset (`guardrail/engine/defaults.py`; what the caller gives always
+wins, and on other devices nothing is added):
 
+- `dtype="float32"`, unless `dtype` is given (the shipped configs were calibrated in
+  float32; vLLM's `auto` would run the float32 checkpoint in bfloat16).
 - `enforce_eager=True`, unless `enforce_eager`, `compilation_config` or `optimization_level` is
   given: compiled mode costs minutes at every start on a small CPU machine (below). Pass
   `enforce_eager=False` for it; the probe works in both modes.
@@ -300,8 +302,9 @@ other devices nothing is added):
   of the machine's memory and fails to start if anything else uses more than 8 %; with an
   explicit size it also skips its warm-up forward pass in eager mode. 1 GiB holds ~23,000
   tokens of the embedded model in float32; a larger model or context needs more (vLLM says so).
+- `VLLM_HOST_IP=127.0.0.1`, unless set (never on a GPU, where it would break multi-node).
 
-So `GuardedLLM(dtype="float32")` starts in eager mode with a 1 GiB KV cache and needs no
+So `GuardedLLM()` starts in eager mode with a 1 GiB KV cache and needs no
 environment variable.
 """
 

@@ -103,8 +103,14 @@ def heads_to_score(
 
 def check_self_test(out: GuardedOutput) -> None:
     """Refuse to run unguarded: the self-test request must have come back scored."""
+    if out.error is not None:  # the request never reached the engine: the model's files
+        raise EngineNotGuardableError(
+            f"the self-test request could not be rendered for this model ({out.error}); the "
+            "guard renders every request with the tokenizer's chat template, so the model "
+            "directory needs one (chat_template.jinja or tokenizer_config.json)"
+        )
     if out.probe is None or out.probe.error is not None or out.probe.focus is None:
-        reason = out.probe.error if out.probe else out.error
+        reason = out.probe.error if out.probe else "no probe result"
         raise EngineNotGuardableError(
             f"the probe did not fire in this engine configuration ({reason}); this happens "
             "when the attention implementation runs inside a captured graph. Start the "

@@ -216,3 +216,22 @@ def test_none_in_a_sampling_params_list_fails_that_request_alone(tokenizer: Any)
     assert isinstance(bad.error, RequestError) and bad.verdict is None
     assert str(bad.error).startswith("request 1: its sampling params are None")
     assert len(engine.calls[-1]) == 1  # the bad one was never sent
+
+
+def test_a_self_test_that_could_not_be_rendered_names_the_chat_template(tiny_llama_dir) -> None:
+    """A model directory without a chat template fails the start-up self-test with an error
+    that says so (not the captured-graph advice, which is for a probe that did not fire)."""
+    from transformers import AutoTokenizer
+
+    from guardrail.engine.install import SELF_TEST_REQUEST, check_self_test
+    from guardrail.engine.types import GuardedOutput
+    from guardrail.errors import EngineNotGuardableError, RequestError
+    from guardrail.probe.prompts import prepare_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    tokenizer.chat_template = None
+    with pytest.raises(RequestError) as refused:
+        prepare_prompt(SELF_TEST_REQUEST, tokenizer)
+    with pytest.raises(EngineNotGuardableError, match=r"needs one \(chat_template\.jinja") as failed:
+        check_self_test(GuardedOutput(index=0, prompt=None, error=refused.value))
+    assert "captured graph" not in str(failed.value)

@@ -232,6 +232,7 @@ def test_a_self_test_that_could_not_be_rendered_names_the_chat_template(tiny_lla
     tokenizer.chat_template = None
     with pytest.raises(RequestError) as refused:
         prepare_prompt(SELF_TEST_REQUEST, tokenizer)
-    with pytest.raises(EngineNotGuardableError, match=r"needs one \(chat_template\.jinja") as failed:
+    needs = r"needs one \(chat_template\.jinja"
+    with pytest.raises(EngineNotGuardableError, match=needs) as failed:
         check_self_test(GuardedOutput(index=0, prompt=None, error=refused.value))
     assert "captured graph" not in str(failed.value)

@@ -9,16 +9,20 @@ after one warm-up round. The guarded engine renders (instruction, data) pairs an
 request; the plain engine gets the same token ids. Early stops are armed (``stop_below``) at a
 level no score reaches, so the device-side stop runs on every request and nothing is cut short.
 
-With ``--plain-v1`` a third engine, plain vLLM forced onto its V1 model runner, runs in the same
-rotation: the guarded engine's logits processor (early stops) makes vLLM fall back from Model
-Runner V2 to V1, and this arm shows what that fallback costs by itself.
+With ``--plain-text`` the plain engine also runs each batch fed the rendered prompts as text
+(vLLM tokenizes them, as an application's requests would arrive): the strict reference above
+gives plain vLLM token ids, so the guard's own rendering and tokenizing counts against it in
+full. With ``--plain-v1`` a further engine, plain vLLM forced onto its V1 model runner, runs
+in the same rotation: the guarded engine's logits processor (early stops) makes vLLM fall
+back from Model Runner V2 to V1, and this arm shows what that fallback costs by itself.
 
 Reported per (shape, mode, probe kind, prompt length, batch, tokens generated): median wall
 time of each engine, throughput ratio guarded/plain, and how many requests came back unscored
 (must be 0). With one generated token and batch 1, the wall time is the time to first token.
 
 Usage (on the GPU machine, ../shared/gpu/README.md):
-    python benchmarks/bench_gpu.py --shapes 1b 8b --out benchmarks/results/gpu_h200.json
+    python benchmarks/bench_gpu.py --shapes 1b 8b --plain-text --plain-v1 \
+        --out benchmarks/results/gpu_h200.json
 """
 
 from __future__ import annotations
@@ -59,12 +63,14 @@ def requests_of(length: int, batch: int, salt: int, tokenizer: Any) -> list[tupl
     return [(SYSTEM, data(b, lo)) for b in range(batch)]
 
 
-def time_once(
-    engine: Any, guarded: bool, prepared: list[Any], max_tokens: int
-) -> tuple[float, int]:
-    """Wall time of one batch, and how many requests came back without a score."""
+def time_once(engine: Any, arm: str, prepared: list[Any], max_tokens: int) -> tuple[float, int]:
+    """Wall time of one batch, and how many requests came back without a score. ``prepared``:
+    (request, its rendered prompt) pairs; the plain arms get the prompt's token ids, or with
+    ``plain_text`` its rendered text (vLLM tokenizes it, as an application's request would)."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TextPrompt, TokensPrompt
+
+    guarded = arm == "guarded"
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     if guarded:
@@ -79,7 +85,12 @@ def time_once(
         if failed:
             print(f"unscored: {len(failed)}, e.g. {failed[0]}", flush=True)
         return wall, len(failed)
-    prompts = [TokensPrompt(prompt_token_ids=p[1]) for p in prepared]
+    prompts: list[Any] = [
+        TextPrompt(prompt=p[1].text)
+        if arm == "plain_text"
+        else TokensPrompt(prompt_token_ids=p[1].token_ids)
+        for p in prepared
+    ]
     start = time.perf_counter()
     engine.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - start, 0
@@ -107,6 +118,8 @@ def run_shape(
     }
     guarded = HookedLLM(model, dummy_probe_config(shape, kind), **engine_args)
     engines: dict[str, Any] = {"guarded": guarded, "plain": LLM(model, **engine_args)}
+    if args.plain_text:  # the same engine, fed text: the tokenization an application pays anyway
+        engines["plain_text"] = engines["plain"]
     if args.plain_v1:  # the guarded engine runs vLLM's V1 model runner (its logits processor)
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         try:
@@ -123,10 +136,10 @@ def run_shape(
             reqs = requests_of(
                 length, batch, salt=repeat * 1000 + length + batch, tokenizer=tokenizer
             )
-            prepared = [(r, prepare_prompt(r, tokenizer).token_ids) for r in reqs]
+            prepared = [(r, prepare_prompt(r, tokenizer)) for r in reqs]
             order = list(engines) if repeat % 2 else list(reversed(engines))
             for name in order:
-                wall, missing = time_once(engines[name], name == "guarded", prepared, max_tokens)
+                wall, missing = time_once(engines[name], name, prepared, max_tokens)
                 if repeat:
                     walls[name].append(wall)
                     unscored += missing
@@ -136,7 +149,7 @@ def run_shape(
                 "shape": shape,
                 "mode": mode,
                 "kind": kind,
-                "prompt_tokens": len(prepared[0][1]),
+                "prompt_tokens": len(prepared[0][1].token_ids),
                 "batch": batch,
                 "max_tokens": max_tokens,
                 "plain_s": round(plain_s, 5),
@@ -146,10 +159,11 @@ def run_shape(
                 "unscored": unscored,
             }
         )
-        if "plain_v1" in walls:
-            plain_v1_s = statistics.median(walls["plain_v1"])
-            rows[-1]["plain_v1_s"] = round(plain_v1_s, 5)
-            rows[-1]["ratio_v1"] = round(plain_v1_s / guarded_s, 3)
+        for name in ("plain_text", "plain_v1"):
+            if name in walls:
+                median = statistics.median(walls[name])
+                rows[-1][f"{name}_s"] = round(median, 5)
+                rows[-1][f"ratio_{name.removeprefix('plain_')}"] = round(median / guarded_s, 3)
         print(json.dumps(rows[-1]), flush=True)
         keep(rows[-1])
     guarded.close()
@@ -169,6 +183,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory", type=float, default=0.3, help="GPU memory share per engine")
+    parser.add_argument(
+        "--plain-text",
+        action="store_true",
+        help="an arm where the plain engine gets each prompt as rendered text (vLLM tokenizes "
+        "it), as an application's request would arrive",
+    )
     parser.add_argument(
         "--plain-v1",
         action="store_true",

@@ -78,15 +78,16 @@ def time_once(engine: Any, arm: str, prepared: list[Any], max_tokens: int) -> tu
         outs = engine.generate([p[0] for p in prepared], params, stop_below=-1.0)
         wall = time.perf_counter() - start
         failed = [
-            o.error or o.probe.error
+            o.error or (o.probe.error if o.probe else None) or "no score"
             for o in outs
             if o.error is not None or o.probe is None or o.probe.error or o.probe.focus is None
         ]
         if failed:
             print(f"unscored: {len(failed)}, e.g. {failed[0]}", flush=True)
         return wall, len(failed)
+    # plain_text shares the plain engine: its own cache salt keeps it off the plain arm's cache
     prompts: list[Any] = [
-        TextPrompt(prompt=p[1].text)
+        TextPrompt(prompt=p[1].text, cache_salt="plain_text")
         if arm == "plain_text"
         else TokensPrompt(prompt_token_ids=p[1].token_ids)
         for p in prepared

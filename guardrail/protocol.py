@@ -153,5 +153,6 @@ class ModelInfo(TypedDict):
     pp_size: int
     device: str
     fast_exit: bool  # this worker exits without collecting its heap (guardrail.worker.lifecycle)
+    dtype: NotRequired[str]  # the model's compute dtype, e.g. bfloat16
     hooked_layers: NotRequired[list[int]]
     hidden_layers: NotRequired[list[int]]  # decoder layers whose residual stream is read

@@ -1,10 +1,11 @@
-"""The ``guardrail`` command: calibrate, evaluate, split, crop, threshold and steer.
+"""The ``guardrail`` command: check, calibrate, evaluate, split, crop, threshold and steer.
 
 Subcommands live in a registry (:data:`SUBCOMMANDS`), each a name, a help line, a function
 adding its arguments and a function running it; add one with :func:`register`. Each has its
 own module here (``calibrate``, ``evaluate``, ``threshold``, ``rows``); what they share (model
 arguments, the engine, scoring through the score cache) is in ``common``.
 
+    guardrail check --engine-arg enforce_eager=false                   # what an engine runs
     guardrail calibrate --data pairs.jsonl --out model_configs/        # embedded SmolLM2
     guardrail evaluate --config model_configs/X.json --data pairs.jsonl --out-dir results/
     guardrail threshold --config model_configs/X.json --data my_clean.jsonl --out mine.json
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from guardrail.cli import calibrate, evaluate, rows, threshold
+from guardrail.cli import calibrate, check, evaluate, rows, threshold
 from guardrail.cli.common import score_pairs, scores_for
 from guardrail.cli.evaluate import load_detectors
 from guardrail.console import quiet_engine_logs
@@ -98,6 +99,15 @@ def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
         return 2
 
 
+register(
+    Subcommand(
+        "check",
+        "start the guarded engine these arguments describe and print what it runs: attention "
+        "backend, dtype, graph mode, probe config and whether it was calibrated",
+        check.configure,
+        check.run,
+    )
+)
 register(
     Subcommand(
         "calibrate",

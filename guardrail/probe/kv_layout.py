@@ -130,6 +130,16 @@ def flash_attn_keys(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor
     return kv_cache[slots // block_size, :, slots % block_size][..., :dim]
 
 
+BACKEND_FIXES = {
+    "TritonAttentionImpl": "vLLM picks Triton attention for float32 on CUDA: start the engine in "
+    "the model's dtype (dtype='bfloat16' or 'float16', the GPU default) or with "
+    "attention_backend='FLASH_ATTN' (--attention-backend FLASH_ATTN)",
+    "FlashInferImpl": "vLLM picks FlashInfer on some GPUs (Blackwell): start the engine with "
+    "attention_backend='FLASH_ATTN' (--attention-backend FLASH_ATTN) where FlashAttention runs",
+}
+"""What to do about a backend vLLM picks by default on current NVIDIA GPUs that has no reader."""
+
+
 def key_gather_for(backend_name: str, isa: str | None) -> KeyGather:
     """The key reader registered for an attention backend (and ISA), or a ``ValueError``.
 
@@ -153,7 +163,8 @@ def key_gather_for(backend_name: str, isa: str | None) -> KeyGather:
     )
     raise ValueError(
         f"unsupported KV cache layout: {_describe(backend_name, isa)}; the guardrail probe reads "
-        f"prefix-cached keys from the paged cache and knows: {supported}. Use one of those "
-        "backends, or add the layout: a reader decorated with @register_kv_layout in "
-        "guardrail/probe/kv_layout.py (see its module docstring)."
+        f"prefix-cached keys from the paged cache and knows: {supported}. "
+        f"{BACKEND_FIXES.get(backend_name, 'Use one of those backends')}, or add the layout: a "
+        "reader decorated with @register_kv_layout in guardrail/probe/kv_layout.py (see its "
+        "module docstring)."
     )

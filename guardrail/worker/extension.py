@@ -54,6 +54,7 @@ class GuardrailWorkerExtension:
             "backend": type(first.impl).__name__,
             "isa": getattr(first, "isa", None),
             "kv_cache_dtype": str(vcfg.cache_config.cache_dtype),
+            "dtype": str(vcfg.model_config.dtype).removeprefix("torch."),
             "block_size": int(vcfg.cache_config.block_size),
             "enforce_eager": bool(vcfg.model_config.enforce_eager),
             "compilation_mode": str(getattr(vcfg.compilation_config, "mode", None)),

@@ -26,6 +26,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from guardrail.probe.config import ModelProbeConfig
@@ -43,6 +44,7 @@ from guardrail.worker.rows import (
     batch_layout,
     check_slots,
     plan_rows,
+    to_device,
 )
 
 __all__ = [
@@ -149,6 +151,7 @@ class Probe:
         self.rows = StepRows()
         self.probe_seconds = 0.0
         self.dispatcher: Any = None  # vLLM's CUDA-graph dispatcher, while wrapped
+        self._rank_columns: torch.Tensor | None = None  # this rank's heads in the TP table
 
     def ready(self) -> None:
         """Called once the layers are hooked: fixes the table layout and the device focus."""
@@ -329,11 +332,13 @@ class Probe:
         the values) and its failure flags; a row that failed on any rank fails on all."""
         from vllm.distributed import tensor_model_parallel_all_reduce
 
-        index = {head: i for i, head in enumerate(self.heads)}
-        mine = [index[(lay.index, h)] for lay in self.layers.values() for h in lay.global_heads]
+        if self._rank_columns is None:  # built once: a device tensor from a list synchronises
+            index = {head: i for i, head in enumerate(self.heads)}
+            mine = [index[(lay.index, h)] for lay in self.layers.values() for h in lay.global_heads]
+            self._rank_columns = torch.tensor(mine, dtype=torch.long, device=stats.device)
         rows = stats.shape[0]
         table = stats.new_zeros(rows, len(self.heads), WIDTH)
-        table[:, torch.tensor(mine, dtype=torch.long, device=stats.device)] = stats
+        table[:, self._rank_columns] = stats
         failed = flags.any(1, keepdim=True).float()
         both = torch.cat([table.flatten(1), failed], dim=1)
         both = tensor_model_parallel_all_reduce(both)
@@ -358,27 +363,38 @@ class Probe:
             rows.stop_on_error[i] if rows.errors[i] is not None or focus is None else False
             for i in wanted
         ]
-        device = self.device
-        stop = torch.tensor(host_stop, dtype=torch.bool, device=device)
         position = {i: r for r, i in enumerate(rows.ok)}
         scored = [(w, position[i]) for w, i in enumerate(wanted) if i in position]
-        if scored and focus is not None and flags is not None:
-            at = torch.tensor([r for _, r in scored], device=device)
-            limit = torch.tensor([rows.stop_below[wanted[w]] for w, _ in scored], device=device)
-            on_error = torch.tensor(
-                [rows.stop_on_error[wanted[w]] for w, _ in scored], device=device
-            )
-            failed = flags.index_select(0, at).any(1)
-            decided = torch.where(
-                failed, on_error, focus.index_select(0, at) <= limit.to(focus.dtype)
-            )
-            stop[torch.tensor([w for w, _ in scored], device=device)] = decided
-        index = [rows.batch_index[i] for i in wanted]
-        tokens = [rows.stop_token[i] for i in wanted]
+        if focus is None or flags is None:
+            scored = []
+        # every small host value in one array, one copy to the device (no synchronisation):
+        # [stop by default | batch index | stop token] per wanted row, then per scored row
+        # [its row in the table | stop_below | stop_on_error | its place among the wanted]
+        n, k = len(wanted), len(scored)
+        packed = np.empty(3 * n + 4 * k, dtype=np.float64)  # exact for every index and token id
+        packed[:n] = host_stop
+        packed[n : 2 * n] = [rows.batch_index[i] for i in wanted]
+        packed[2 * n : 3 * n] = [rows.stop_token[i] for i in wanted]
+        if k:
+            at = 3 * n
+            packed[at : at + k] = [r for _, r in scored]
+            packed[at + k : at + 2 * k] = [rows.stop_below[wanted[w]] for w, _ in scored]
+            packed[at + 2 * k : at + 3 * k] = [rows.stop_on_error[wanted[w]] for w, _ in scored]
+            packed[at + 3 * k :] = [w for w, _ in scored]
+        values = to_device(packed, torch.device(self.device))
+        stop = values[:n].bool()
+        if k:
+            assert focus is not None and flags is not None
+            at = 3 * n
+            table_rows = values[at : at + k].long()
+            failed = flags.index_select(0, table_rows).any(1)
+            below = focus.index_select(0, table_rows) <= values[at + k : at + 2 * k].to(focus.dtype)
+            decided = torch.where(failed, values[at + 2 * k : at + 3 * k].bool(), below)
+            stop[values[at + 3 * k :].long()] = decided
         self.stops = Stops(
-            index,
-            torch.tensor(index, device=device),
-            torch.tensor(tokens, device=device),
+            [rows.batch_index[i] for i in wanted],
+            values[n : 2 * n].long(),
+            values[2 * n : 3 * n].long(),
             stop,
         )
 

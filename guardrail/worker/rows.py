@@ -22,7 +22,7 @@ import torch
 
 from guardrail.protocol import PROBE_ARG, ProbeSpec
 
-__all__ = ["FLAG_MESSAGES", "StepRows", "batch_layout", "check_slots", "plan_rows"]
+__all__ = ["FLAG_MESSAGES", "StepRows", "batch_layout", "check_slots", "plan_rows", "to_device"]
 
 FLAG_MESSAGES = (
     "probe: KV cache layout check failed: cached key of the last prompt token differs from the "
@@ -143,6 +143,15 @@ def plan_rows(
     return rows
 
 
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without synchronising: on CUDA through pinned memory and a
+    non-blocking copy (``torch.tensor(list, device=cuda)`` would wait for the whole stream)."""
+    host = torch.from_numpy(values)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def _device_tensors(
     rows: StepRows, found: list[tuple[int, int, Any]], metadata: Any, block_size: int
 ) -> None:
@@ -163,12 +172,7 @@ def _device_tensors(
     )
     table = metadata.block_table
     device = table.device
-    pin = device.type == "cuda"
-    masks_t, index_t = torch.from_numpy(masks), torch.from_numpy(index)
-    if pin:
-        masks_t, index_t = masks_t.pin_memory(), index_t.pin_memory()
-    masks_d = masks_t.to(device, non_blocking=True)
-    index_d = index_t.to(device, non_blocking=True)
+    masks_d, index_d = to_device(masks, device), to_device(index, device)
     rows.valid, rows.instruction, rows.data = masks_d[0], masks_d[1], masks_d[2]
     rows.token_rows = index_d[:, 1]
     blocks = table.index_select(0, index_d[:, 0])[:, : (width + block_size - 1) // block_size]

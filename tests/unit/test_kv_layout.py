@@ -268,3 +268,18 @@ def test_a_layout_is_registered_once():
     with pytest.raises(ValueError, match=r"FlashAttentionImpl is already registered"):
         register_kv_layout("FlashAttentionImpl")(flash_attn_keys)
     assert key_gather_for("FlashAttentionImpl", None) is flash_attn_keys
+
+
+@pytest.mark.parametrize(
+    ("backend", "fix"),
+    [
+        ("TritonAttentionImpl", r"dtype='bfloat16'.*--attention-backend FLASH_ATTN"),
+        ("FlashInferImpl", r"--attention-backend FLASH_ATTN"),
+    ],
+)
+def test_gpu_default_backends_without_a_reader_are_refused_with_the_flag_that_fixes_it(
+    backend: str, fix: str
+) -> None:
+    """vLLM's defaults on current NVIDIA GPUs: Triton for float32, FlashInfer on Blackwell."""
+    with pytest.raises(ValueError, match=fix):
+        key_gather_for(backend, None)

@@ -14,19 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from guardrail.cli.common import write_json
+from guardrail.cli.common import add_engine_arg, write_json
 
 __all__ = ["configure", "describe", "run"]
-
-
-def _engine_arg(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--engine-arg takes key=value, got {text!r}")
-    try:
-        return key.replace("-", "_"), json.loads(value)
-    except json.JSONDecodeError:
-        return key.replace("-", "_"), value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -38,15 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a config file or a shipped variant (default: what the engine would read)",
     )
-    parser.add_argument(
-        "--engine-arg",
-        type=_engine_arg,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a vLLM engine argument, as HookedLLM takes it (repeat): enforce_eager=true, "
-        "dtype=bfloat16, tensor_parallel_size=2, attention_backend=FLASH_ATTN, ...",
-    )
+    add_engine_arg(parser)
     parser.add_argument("--json", action="store_true", help="print the facts as JSON")
     parser.add_argument(
         "--out", type=Path, default=None, help="also write the facts to this JSON file"

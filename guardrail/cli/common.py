@@ -30,6 +30,30 @@ from guardrail.probe.scoring import ATTENTION_STATS, HeadKey
 # -- shared arguments and engine ------------------------------------------------------------
 
 
+def engine_arg(text: str) -> tuple[str, Any]:
+    """``--engine-arg KEY=VALUE``: a vLLM engine argument, the value parsed as JSON when it is
+    JSON (``true``, ``0.9``, ``{"mode": 0}``), else kept as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--engine-arg takes key=value, got {text!r}")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), value
+
+
+def add_engine_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine-arg",
+        type=engine_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a vLLM engine argument as HookedLLM takes it (repeat): tensor_parallel_size=2, "
+        "gpu_memory_utilization=0.8, attention_backend=FLASH_ATTN, dtype=bfloat16, ...",
+    )
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments every command that scores rows shares: model, data, engine sizes, cache."""
     parser.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M)")
@@ -84,6 +108,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="decoder layers whose residual stream averaged over the data tokens is read too "
         "(calibrate: the combined probe reads these as well)",
     )
+    add_engine_arg(parser)
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
@@ -104,17 +129,21 @@ def open_engine(model: str, heads: Sequence[HeadKey] | str, args: argparse.Names
     first: list[HeadKey] = [(0, 0)] if isinstance(heads, str) else [tuple(heads[0])]  # type: ignore[list-item]
     # Only head_stats are used; the model path as id keeps the served-model check quiet.
     placeholder = ModelProbeConfig(model_id=str(model), heads=first)
+    engine_kwargs: dict[str, Any] = {
+        "enforce_eager": True,  # the hidden-state read-outs run in eager mode only
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        **({} if args.dtype is None else {"dtype": args.dtype}),
+        **dict(getattr(args, "engine_arg", None) or []),  # any vLLM argument; it wins
+    }
     return HookedLLM(
         model,
         placeholder,
         probe_heads=heads,
         probe_hidden_layers=list(getattr(args, "hidden_layers", None) or []),
         probe_data_mean_layers=list(getattr(args, "data_mean_layers", None) or []),
-        **({} if args.dtype is None else {"dtype": args.dtype}),
-        enforce_eager=True,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        **engine_kwargs,
     )
 
 

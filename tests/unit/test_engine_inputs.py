@@ -236,3 +236,31 @@ def test_a_self_test_that_could_not_be_rendered_names_the_chat_template(tiny_lla
     with pytest.raises(EngineNotGuardableError, match=needs) as failed:
         check_self_test(GuardedOutput(index=0, prompt=None, error=refused.value))
     assert "captured graph" not in str(failed.value)
+
+
+def test_engine_commands_take_any_vllm_argument() -> None:
+    """``--engine-arg KEY=VALUE`` on every engine command: JSON values parsed, text kept."""
+    from guardrail.cli import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "calibrate",
+            "--data",
+            "rows.jsonl",
+            "--out",
+            "configs",
+            "--engine-arg",
+            "gpu_memory_utilization=0.8",
+            "--engine-arg",
+            "enforce-eager=false",
+            "--engine-arg",
+            "attention_backend=FLASH_ATTN",
+        ]
+    )
+    assert args.engine_arg == [
+        ("gpu_memory_utilization", 0.8),
+        ("enforce_eager", False),
+        ("attention_backend", "FLASH_ATTN"),
+    ]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["check", "--engine-arg", "no-equals-sign"])

@@ -560,7 +560,9 @@ def install_probe(
         )
         module.impl.forward = make_probe_forward(probe, layer, runner)
         probe.layers[layer_index] = layer
-    probe.first_layer = min(probe.layers, default=-1)
+    # the first layer where this rank scores heads checks the layout (with tensor parallelism a
+    # rank may hold none of a layer's probed heads)
+    probe.first_layer = min((i for i, lay in probe.layers.items() if lay.global_heads), default=-1)
     probe.last_layer = max(probe.layers, default=-1)
     install_hidden(probe, runner, info, config, raw_hidden_layers or [], raw_data_mean_layers or [])
     probe.ready()

@@ -373,6 +373,26 @@ def test_a_probe_fault_fails_closed_for_that_request_alone(faults_cleared):
     assert registry.get_sample_value("guardrail_probe_errors_total", labels) == 1
 
 
+def test_a_wrong_kv_reader_is_caught_by_the_live_layout_check(tiny_engine):
+    """The worker compares, on the device, each scored row's cached key of its last prompt token
+    (read back through the KV reader) with the key the layer computed: a reader that reads the
+    wrong slots fails every request closed, with that check named, and nothing else changes."""
+    from guardrail.worker.probe import PROBES
+
+    [probe] = [p for p in PROBES.values() if p.layers]  # the in-process engine's worker
+    right = probe.gather
+    probe.gather = lambda cache, slots: right(cache, slots + 1)  # one slot off
+    try:
+        outs = tiny_engine.generate(REQUESTS[:3], tiny_engine.sampling(max_tokens=2))
+    finally:
+        probe.gather = right
+    for out in outs:
+        assert out.probe.focus is None
+        assert "KV cache layout check failed" in (out.probe.error or "")
+    again = tiny_engine.generate(REQUESTS[:1], tiny_engine.sampling(max_tokens=2))[0]
+    assert again.probe.error is None and again.probe.focus is not None
+
+
 def test_results_evicted_from_a_full_store_are_missing_never_another_score(
     tiny_engine, monkeypatch
 ):

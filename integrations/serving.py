@@ -62,6 +62,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from guardrail.engine.install import engine_arg
 from guardrail.errors import (
     ConfigError,
     EngineClosedError,
@@ -485,16 +486,6 @@ async def _sse(
 # -- the command ------------------------------------------------------------------------------
 
 
-def _engine_arg(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--engine-arg takes key=value, got {text!r}")
-    try:
-        return key.replace("-", "_"), json.loads(value)
-    except json.JSONDecodeError:
-        return key.replace("-", "_"), value
-
-
 def build_parser() -> Any:
     """``guardrail-serve``'s parser: its own options and vLLM's engine flags, added by vLLM's
     own ``AsyncEngineArgs.add_cli_args`` on vLLM's ``FlexibleArgumentParser`` (so
@@ -528,7 +519,7 @@ def build_parser() -> Any:
     own.add_argument("--verbose", action="store_true", help="show vLLM's logs")
     own.add_argument(
         "--engine-arg",
-        type=_engine_arg,
+        type=engine_arg,
         action="append",
         default=[],
         metavar="KEY=VALUE",

@@ -138,10 +138,10 @@ def tiny_config(model_id: str = "tiny", threshold: float | None = 0.5):  # type:
     return ModelProbeConfig(model_id=model_id, heads=heads, threshold=threshold)
 
 
-def tiny_hidden_config():  # type: ignore[no-untyped-def]
+def tiny_hidden_config(hidden_size: int = 128):  # type: ignore[no-untyped-def]
     """A logistic probe over every head of tiny Llama plus random sparse read-outs of the
-    hidden state (12 of its 128 coordinates each): at the last prompt token on layers 1 and 2,
-    averaged over the data tokens on layers 2 and 3 (layer 2 reads both positions)."""
+    hidden state (12 of its ``hidden_size`` coordinates each): at the last prompt token on
+    layers 1 and 2, averaged over the data tokens on layers 2 and 3 (layer 2 reads both)."""
     import numpy as np
 
     from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
@@ -151,7 +151,7 @@ def tiny_hidden_config():  # type: ignore[no-untyped-def]
     parts = [
         HiddenLayerProbe(
             layer=layer,
-            dims=sorted(rng.choice(128, 12, replace=False).tolist()),
+            dims=sorted(rng.choice(hidden_size, 12, replace=False).tolist()),
             mean=rng.normal(0, 0.1, 12).tolist(),
             scale=rng.uniform(0.5, 2.0, 12).tolist(),
             weights=rng.normal(0, 1.0, 12).tolist(),
@@ -167,7 +167,7 @@ def tiny_hidden_config():  # type: ignore[no-untyped-def]
         bias=0.1,
         hidden=parts,
         threshold=0.5,
-        hidden_size=128,
+        hidden_size=hidden_size,
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from guardrail.engine.install import engine_arg
 from guardrail.errors import ConfigError, GuardrailError, RequestError
 from guardrail.offline.datasets import (
     LabelledPair,
@@ -28,18 +29,6 @@ from guardrail.probe.config import HiddenPosition, ModelProbeConfig
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey
 
 # -- shared arguments and engine ------------------------------------------------------------
-
-
-def engine_arg(text: str) -> tuple[str, Any]:
-    """``--engine-arg KEY=VALUE``: a vLLM engine argument, the value parsed as JSON when it is
-    JSON (``true``, ``0.9``, ``{"mode": 0}``), else kept as text."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--engine-arg takes key=value, got {text!r}")
-    try:
-        return key.replace("-", "_"), json.loads(value)
-    except json.JSONDecodeError:
-        return key.replace("-", "_"), value
 
 
 def add_engine_arg(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,10 +28,29 @@ __all__ = [
     "check_self_test",
     "check_served_model",
     "check_sizes_from_files",
+    "engine_arg",
     "engine_arguments",
     "engine_probe_config",
     "heads_to_score",
 ]
+
+
+def engine_arg(text: str) -> tuple[str, Any]:
+    """A command line's ``--engine-arg KEY=VALUE``: a vLLM engine argument, its value parsed as
+    JSON when it is JSON (``true``, ``0.9``, ``{"mode": 0}``), else kept as text.
+
+    Example:
+        >>> engine_arg("enforce-eager=false"), engine_arg("attention_backend=FLASH_ATTN")
+        (('enforce_eager', False), ('attention_backend', 'FLASH_ATTN'))
+    """
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--engine-arg takes key=value, got {text!r}")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), value
+
 
 SELF_TEST_REQUEST = ("Reply with OK.", "self test")
 """The request every engine answers once at start, with one token: it must come back scored."""

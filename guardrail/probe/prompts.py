@@ -229,6 +229,20 @@ _VOCABS: weakref.WeakKeyDictionary[Any, _Vocab] = weakref.WeakKeyDictionary()
 _VOCABS_LOCK = threading.Lock()
 
 
+def _private_backend(tokenizer: Any, encode_special_tokens: bool) -> Any:
+    """A private copy of a fast tokenizer's backend (None without one): no truncation, no
+    padding, and ``encode_special_tokens`` as given, whatever the caller's tokenizer is set to
+    (its flags may be flipped by any call, in any thread)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    copy = type(backend).from_str(backend.to_str())
+    copy.no_truncation()
+    copy.no_padding()
+    copy.encode_special_tokens = encode_special_tokens
+    return copy
+
+
 def _text_encoder(tokenizer: Any) -> Callable[[str], _Encoding]:
     """Tokenize a string as text, with no special token recognised.
 
@@ -236,12 +250,8 @@ def _text_encoder(tokenizer: Any) -> Callable[[str], _Encoding]:
     ``split_special_tokens=True`` does, without flipping that flag on the caller's tokenizer,
     which other threads may be using); otherwise the tokenizer's own ``split_special_tokens``.
     """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and hasattr(backend, "to_str"):
-        text_only = type(backend).from_str(backend.to_str())
-        text_only.no_truncation()
-        text_only.no_padding()
-        text_only.encode_special_tokens = True
+    text_only = _private_backend(tokenizer, encode_special_tokens=True)
+    if text_only is not None:
 
         def encode_backend(text: str) -> _Encoding:
             encoding = text_only.encode(text, add_special_tokens=False)
@@ -260,16 +270,12 @@ def _text_encoder(tokenizer: Any) -> Callable[[str], _Encoding]:
 
 def _batch_encoder(tokenizer: Any) -> Callable[[list[str]], list[_Encoding]] | None:
     """The usual encoding of many texts in one call of a private copy of a fast tokenizer's
-    backend (no truncation or padding, whatever the caller's tokenizer was last set to): what
-    ``tokenizer(texts, add_special_tokens=False)`` computes, without its per-token Python
-    conversion. None for a tokenizer without such a backend."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "to_str"):
+    backend: what ``tokenizer(texts, add_special_tokens=False)`` computes, without its
+    per-token Python conversion. None for a tokenizer without such a backend."""
+    # special tokens recognised: the template's markup must yield its control tokens
+    whole = _private_backend(tokenizer, encode_special_tokens=False)
+    if whole is None:
         return None
-    whole = type(backend).from_str(backend.to_str())
-    whole.no_truncation()
-    whole.no_padding()
-    whole.encode_special_tokens = False  # the template's markup must yield its control tokens
     lock = threading.Lock()  # the copy is shared by every caller of this tokenizer
 
     def encode_batch(texts: list[str]) -> list[_Encoding]:

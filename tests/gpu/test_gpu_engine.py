@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import SYSTEM, hf_head_stats, mixed_batch
+from tests.helpers import SYSTEM, hf_head_stats, mixed_batch, tiny_hidden_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -133,44 +133,14 @@ def test_no_request_escapes_the_probe_under_full_cuda_graphs(fp16_llama_dir):
         engine.close()
 
 
-def _hidden_config(hidden: int = 256):  # type: ignore[no-untyped-def]
-    import numpy as np
-
-    from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
-
-    rng = np.random.default_rng(0)
-    heads = [(layer, head) for layer in range(4) for head in range(4)]
-    parts = [
-        HiddenLayerProbe(
-            layer=layer,
-            dims=sorted(rng.choice(hidden, 12, replace=False).tolist()),
-            mean=rng.normal(0, 0.1, 12).tolist(),
-            scale=rng.uniform(0.5, 2.0, 12).tolist(),
-            weights=rng.normal(0, 1.0, 12).tolist(),
-            position=position,
-        )
-        for layer, position in ((1, "last"), (2, "last"), (2, "data_mean"), (3, "data_mean"))
-    ]
-    return ModelProbeConfig(
-        model_id="tiny",
-        probe="logistic",
-        heads=heads,
-        weights=rng.normal(0, 0.5, len(heads)).tolist(),
-        bias=0.1,
-        hidden=parts,
-        threshold=0.5,
-        hidden_size=hidden,
-    )
-
-
 def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir):
     """Eager (the hidden read-outs are Python hooks): whole streams of layers 0-2 at the last
-    token and over the data, and the config's terms, against HF float32 on the same weights."""
+    token and over the data, and the config's terms, against HF float16 on the same GPU."""
     import numpy as np
 
     from tests.engine.test_hidden_state import hf_streams
 
-    config = _hidden_config()
+    config = tiny_hidden_config(hidden_size=SHAPE["hidden_size"])
     engine = _engine(
         fp16_llama_dir,
         eager=True,

@@ -37,6 +37,7 @@ __all__ = [
     "WORKER_EXTENSION",
     "CaptureSpec",
     "ModelInfo",
+    "PoppedResults",
     "ProbeResultData",
     "ProbeSpec",
     "SteerReportData",
@@ -71,7 +72,7 @@ RPC_MODEL_INFO = "guardrail_model_info"  # () -> ModelInfo
 RPC_INSTALL = "guardrail_install"  # (heads: [[layer, head]], config: dict, raw_hidden_layers:
 # [layer], raw_data_mean_layers: [layer]) -> ModelInfo
 RPC_UNINSTALL = "guardrail_uninstall"  # () -> None
-RPC_POP_RESULTS = "guardrail_pop_results"  # (keys: [str]) -> {key: ProbeResultData}
+RPC_POP_RESULTS = "guardrail_pop_results"  # (keys: [str]) -> PoppedResults
 RPC_SET_FAULTS = "guardrail_set_faults"  # (keys: [str]) -> None
 RPC_LOAD_STEERING = "guardrail_load_steering"  # (name, direction, layer, avg_proj) -> [layer]
 RPC_UNLOAD_STEERING = "guardrail_unload_steering"  # (names: [str] | None) -> [layer]
@@ -116,13 +117,21 @@ class ProbeResultData(TypedDict):
 
     num_prompt_tokens: int
     probe_seconds: float
-    heads: NotRequired[list[list[Any]]]  # [[layer, head, [stats...]], ...] when scored
+    stats: NotRequired[list[float]]  # every head's stats, flat, in ``PoppedResults.heads`` order
     error: NotRequired[str]  # why the probe could not score (the request is then unscored)
     hidden: NotRequired[list[list[Any]]]  # [[layer, logit term], ...]: the config's hidden part
     hidden_states: NotRequired[list[list[Any]]]  # [[layer, [stream...]], ...]: raw (calibration)
     data_mean_states: NotRequired[list[list[Any]]]  # the same, averaged over the data tokens
     focus: NotRequired[float]  # computed in the worker when it decided an early stop
     stopped: NotRequired[bool]  # ended right after prefill
+
+
+class PoppedResults(TypedDict):
+    """One rank's answer to ``RPC_POP_RESULTS``: the heads its results hold, once, in the order
+    of each result's ``stats`` (len(ATTENTION_STATS) values per head), and the results by key."""
+
+    heads: list[list[int]]  # [[layer, head], ...]
+    results: dict[str, ProbeResultData]
 
 
 class SteerReportData(TypedDict):

@@ -34,7 +34,7 @@ import gc
 import time
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +77,12 @@ from guardrail.protocol import (
     RPC_MODEL_INFO,
     RPC_POP_RESULTS,
     ModelInfo,
-    ProbeResultData,
+    PoppedResults,
 )
 
 __all__ = ["AsyncHookedLLM", "ResultPopper"]
 
-PerRank = list[Mapping[str, ProbeResultData]]
+PerRank = list[PoppedResults]
 
 
 @functools.cache

@@ -11,8 +11,8 @@ Example:
     >>> from guardrail.probe.config import ModelProbeConfig
     >>> client = ProbeClient(ModelProbeConfig(model_id="m", heads=[(0, 0)]), tp_size=1,
     ...                      stop_token=2)
-    >>> rank = {"k": {"num_prompt_tokens": 5, "probe_seconds": 0.001,
-    ...               "heads": [[0, 0, [0.6, 0.2, 0.1, 0.1, 0.5]]]}}
+    >>> rank = {"heads": [[0, 0]], "results": {"k": {"num_prompt_tokens": 5, "probe_seconds": 0.001,
+    ...                                             "stats": [0.6, 0.2, 0.1, 0.1, 0.5]}}}
     >>> round(client.result([rank], "k").focus, 3)
     0.75
 """
@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +34,8 @@ from guardrail.engine.types import (
 from guardrail.errors import ConfigError, GuardrailError, RequestError
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt
-from guardrail.probe.scoring import HeadKey, head_focus
-from guardrail.protocol import PROBE_ARG, ProbeResultData, ProbeSpec
+from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, head_focus
+from guardrail.protocol import PROBE_ARG, PoppedResults, ProbeSpec
 
 __all__ = [
     "PerRequestArgs",
@@ -143,6 +143,9 @@ def per_request_args(
     return PerRequestArgs(params, stops, on_error, keys, errors)
 
 
+WIDTH = len(ATTENTION_STATS)
+
+
 class ProbeClient:
     """Builds probe specs and turns the workers' results into ``ProbeResult``s.
 
@@ -202,7 +205,7 @@ class ProbeClient:
             params.stop_token_ids = [*(params.stop_token_ids or []), stop_token]
         return params
 
-    def result(self, per_rank: Sequence[Mapping[str, ProbeResultData]], key: str) -> ProbeResult:
+    def result(self, per_rank: Sequence[PoppedResults], key: str) -> ProbeResult:
         """The request's ``ProbeResult`` from every rank's popped results (ranks each score
         their own heads; errors win; missing or incomplete heads are errors)."""
         heads: dict[HeadKey, tuple[float, ...]] = {}
@@ -212,15 +215,18 @@ class ProbeClient:
         error: str | None = None
         num_prompt_tokens, seconds, stopped = 0, 0.0, False
         for rank in per_rank:
-            found = rank.get(key)
+            found = rank["results"].get(key)
             if found is None:
                 continue
             error = error or found.get("error")
             num_prompt_tokens = found["num_prompt_tokens"]
             seconds = max(seconds, found["probe_seconds"])
             stopped = stopped or bool(found.get("stopped"))
-            for layer, head, stats in found.get("heads", []):
-                heads[(int(layer), int(head))] = tuple(stats)
+            flat = found.get("stats")
+            if flat is not None:  # WIDTH values per head, in the rank's head order
+                order = [(int(layer), int(head)) for layer, head in rank["heads"]]
+                values = iter(flat)
+                heads.update(zip(order, zip(*[values] * WIDTH, strict=False), strict=True))
             # the stream between layers is the same on every tensor-parallel rank
             hidden.update((int(layer), float(term)) for layer, term in found.get("hidden", []))
             streams.update((int(lay), tuple(x)) for lay, x in found.get("hidden_states", []))

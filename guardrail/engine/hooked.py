@@ -18,6 +18,7 @@ import contextlib
 import uuid
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -258,59 +259,80 @@ class HookedLLM:
         steer: list[ResolvedSteering | None],
         use_tqdm: bool,
     ) -> list[GuardedOutput]:
+        outputs: list[GuardedOutput | None] = [None] * len(requests)
+        batch = _Batch()
+        try:
+            # Prepared and enqueued in growing chunks: the engine starts on the first requests
+            # while the rest are rendered and tokenized (as vLLM's own generate does with text).
+            for chunk in _chunks(len(requests)):
+                prompts, chunk_params = self._chunk(requests, chunk, args, steer, outputs, batch)
+                if prompts:
+                    llm.enqueue(prompts, chunk_params, use_tqdm=False)
+            # in the order they were enqueued (vLLM sorts them by its request counter)
+            results = llm.wait_for_completion(use_tqdm=use_tqdm) if batch.sent else []
+        except BaseException:
+            self._after_failed_generate(llm, [k for *_, k in batch.sent], batch.steered)
+            raise
+        sent, steered = batch.sent, batch.steered
+        if not sent:
+            return [o for o in outputs if o is not None]
+        sent_keys = [k for *_, k in sent]
+        # pop right away: a reused key must never find a stale score
+        per_rank = llm.collective_rpc(RPC_POP_RESULTS, args=(sent_keys,))
+        reports = self.steering.reports(steered)
+        _check_order(sent, results)
+        for (i, prepared, key), result in zip(sent, results, strict=True):
+            completion = result.outputs[0]
+            outputs[i] = GuardedOutput(
+                index=i,
+                prompt=prepared,
+                text=completion.text,
+                token_ids=list(completion.token_ids),
+                finish_reason=completion.finish_reason,
+                num_cached_tokens=int(result.num_cached_tokens or 0),
+                probe=self.probe.result(per_rank, key),
+                steering=reports.get(key),
+            )
+        return [o for o in outputs if o is not None]
+
+    def _chunk(
+        self,
+        requests: Sequence[RequestLike],
+        chunk: range,
+        args: PerRequestArgs,
+        steer: list[ResolvedSteering | None],
+        outputs: list[GuardedOutput | None],
+        batch: _Batch,
+    ) -> tuple[list[Any], list[Any]]:
+        """Prepare one chunk of requests: its prompts and params to enqueue. A request that
+        cannot be sent gets its error output here; the others are recorded in ``batch``."""
         from vllm.inputs import TokensPrompt
 
-        params, errors = args.params, args.errors
-
-        steered: dict[str, ResolvedSteering] = {}
-        outputs: list[GuardedOutput | None] = [None] * len(requests)
-        prompts, batch_params, sent = [], [], []
-        todo = [i for i in range(len(requests)) if i not in errors]
+        errors = args.errors
+        todo = [i for i in chunk if i not in errors]
         rendered = dict(zip(todo, self.prepare_many([requests[i] for i in todo]), strict=True))
-        for i in range(len(requests)):
+        prompts, chunk_params = [], []
+        for i in chunk:
             try:
                 prepared = rendered[i] if i in rendered else errors[i]
                 if isinstance(prepared, GuardrailError):
                     raise prepared
                 key = args.probe_keys[i] or uuid.uuid4().hex
                 stop_below, on_error = args.stop_below[i], bool(args.stop_on_probe_error[i])
-                spec = self.probe.spec(prepared, key, params[i], stop_below, on_error)
+                spec = self.probe.spec(prepared, key, args.params[i], stop_below, on_error)
             except GuardrailError as exc:  # this request alone fails
                 outputs[i] = GuardedOutput(index=i, prompt=None, error=exc)
                 continue
-            batch_params.append(self.probe.attach(params[i], spec))
+            chunk_params.append(self.probe.attach(args.params[i], spec))
             prompt = TokensPrompt(prompt_token_ids=prepared.token_ids)
             resolved = steer[i]
             if resolved is not None:  # never reuse KV cached without this steering
                 prompt["cache_salt"] = resolved.cache_salt
-                batch_params[-1].extra_args[STEER_ARG] = resolved.spec(key)
-                steered[key] = resolved
+                chunk_params[-1].extra_args[STEER_ARG] = resolved.spec(key)
+                batch.steered[key] = resolved
             prompts.append(prompt)
-            sent.append((i, prepared, key))
-        if sent:
-            sent_keys = [k for *_, k in sent]
-            try:
-                results = llm.generate(prompts, batch_params, use_tqdm=use_tqdm)
-            except BaseException:
-                self._after_failed_generate(llm, sent_keys, steered)
-                raise
-            # pop right away: a reused key must never find a stale score
-            per_rank = llm.collective_rpc(RPC_POP_RESULTS, args=(sent_keys,))
-            reports = self.steering.reports(steered)
-            _check_order(sent, results)
-            for (i, prepared, key), result in zip(sent, results, strict=True):
-                completion = result.outputs[0]
-                outputs[i] = GuardedOutput(
-                    index=i,
-                    prompt=prepared,
-                    text=completion.text,
-                    token_ids=list(completion.token_ids),
-                    finish_reason=completion.finish_reason,
-                    num_cached_tokens=int(result.num_cached_tokens or 0),
-                    probe=self.probe.result(per_rank, key),
-                    steering=reports.get(key),
-                )
-        return [o for o in outputs if o is not None]
+            batch.sent.append((i, prepared, key))
+        return prompts, chunk_params
 
     def _after_failed_generate(
         self, llm: Any, keys: list[str], steered: Mapping[str, ResolvedSteering]
@@ -409,6 +431,27 @@ class HookedLLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass
+class _Batch:
+    """What one ``generate`` call has sent so far: (index, prompt, probe key) per request, in
+    order, and the steered requests by key."""
+
+    sent: list[tuple[int, PreparedPrompt, str]] = field(default_factory=list)
+    steered: dict[str, ResolvedSteering] = field(default_factory=dict)
+
+
+FIRST_CHUNK = 4
+"""``generate`` prepares and enqueues its requests in chunks of 4, 8, 16, ... requests."""
+
+
+def _chunks(n: int) -> Iterator[range]:
+    """Request indices ``0 .. n-1`` in chunks that double from ``FIRST_CHUNK``."""
+    start, size = 0, FIRST_CHUNK
+    while start < n:
+        yield range(start, min(start + size, n))
+        start, size = start + size, 2 * size
 
 
 def _check_order(sent: Sequence[tuple[int, PreparedPrompt, str]], results: Sequence[Any]) -> None:

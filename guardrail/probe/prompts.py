@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import itertools
 import re
 import secrets
 import threading
@@ -593,7 +594,8 @@ def _token_kinds(
     """Each token's kind code (``_KIND_CODES``): that of the segment holding its last character
     ("other" if none)."""
     placed = sorted((lo, hi, kind) for lo, hi, kind in ranges if hi > lo)
-    ends_at = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    flat = itertools.chain.from_iterable(offsets)  # twice as fast as np.asarray on tuples
+    ends_at = np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
     if not placed or not len(ends_at):
         return np.zeros(len(ends_at), dtype=np.int8)
     starts = np.array([lo for lo, _, _ in placed], dtype=np.int64)

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from guardrail.probe.config import ModelProbeConfig
-from guardrail.protocol import ModelInfo, ProbeResultData, SteerReportData
+from guardrail.protocol import ModelInfo, PoppedResults, SteerReportData
 from guardrail.worker import lifecycle
 from guardrail.worker.probe import PROBES, Probe, install_probe, uninstall_probe
 from guardrail.worker.steering import SteeringHooks
@@ -130,12 +130,13 @@ class GuardrailWorkerExtension:
         self._guardrail_probe = None
         PROBES.pop(id(self.model_runner.vllm_config), None)
 
-    def guardrail_pop_results(self, keys: list[str]) -> dict[str, ProbeResultData]:
-        """Remove and return the stored results of ``keys`` (missing keys are absent)."""
+    def guardrail_pop_results(self, keys: list[str]) -> PoppedResults:
+        """Remove and return the stored results of ``keys`` (missing keys are absent), with the
+        order of the heads in their stats."""
         probe = self._guardrail_probe
         if probe is None:
-            return {}
-        return probe.pop(keys)
+            return {"heads": [], "results": {}}
+        return {"heads": probe.head_order, "results": probe.pop(keys)}
 
     def guardrail_set_faults(self, keys: list[str]) -> None:
         """Testing hook: requests with these probe keys fail inside the probe."""

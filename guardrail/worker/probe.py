@@ -40,11 +40,11 @@ from guardrail.worker.rows import (
     LAYOUT,
     NONFINITE,
     OTHER_RANK,
+    HostStaging,
     StepRows,
     batch_layout,
     check_slots,
     plan_rows,
-    to_device,
 )
 
 __all__ = [
@@ -152,6 +152,8 @@ class Probe:
         self.probe_seconds = 0.0
         self.dispatcher: Any = None  # vLLM's CUDA-graph dispatcher, while wrapped
         self._rank_columns: torch.Tensor | None = None  # this rank's heads in the TP table
+        self.head_order: list[list[int]] = []  # table_heads as sent with results (``ready``)
+        self.staging = HostStaging(settings.device)  # the step's host arrays to the device
 
     def ready(self) -> None:
         """Called once the layers are hooked: fixes the table layout and the device focus."""
@@ -160,6 +162,7 @@ class Probe:
         self.term_layers = sorted(
             i for i, r in self.hidden.items() if r.last is not None or r.mean is not None
         )
+        self.head_order = [[layer, head] for layer, head in self.table_heads]
         config = self.config
         if config is not None and self.settings.pp_size == 1:
             self.focus = DeviceFocus(config, self.table_heads, self.term_layers, self.device)
@@ -218,7 +221,12 @@ class Probe:
             found.append((i, int(starts[i]) + last - first, state))
         if found:
             self.rows = plan_rows(
-                found, metadata, self.settings.block_size, self.fault_keys, self.fault_message
+                found,
+                metadata,
+                self.settings.block_size,
+                self.fault_keys,
+                self.fault_message,
+                self.staging,
             )
             if self.needs_data_slots:  # the memo is read through the block table: check it
                 check_slots(self.rows, metadata.slot_mapping)
@@ -381,7 +389,7 @@ class Probe:
             packed[at + k : at + 2 * k] = [rows.stop_below[wanted[w]] for w, _ in scored]
             packed[at + 2 * k : at + 3 * k] = [rows.stop_on_error[wanted[w]] for w, _ in scored]
             packed[at + 3 * k :] = [w for w, _ in scored]
-        values = to_device(packed, torch.device(self.device))
+        values = self.staging.to_device(packed)
         stop = values[:n].bool()
         if k:
             assert focus is not None and flags is not None
@@ -445,11 +453,7 @@ class Probe:
         if error is not None or row is None:
             result["error"] = error or "probe: no score"
             return
-        stats = row[columns["stats"]]
-        heads = self.table_heads
-        result["heads"] = [
-            [lay, h, stats[j * WIDTH : (j + 1) * WIDTH]] for j, (lay, h) in enumerate(heads)
-        ]
+        result["stats"] = row[columns["stats"]]  # in ``head_order``, WIDTH values per head
         terms = row[columns["terms"]]
         if terms:
             result["hidden"] = [[lay, t] for lay, t in zip(self.term_layers, terms, strict=True)]

@@ -22,7 +22,7 @@ import torch
 
 from guardrail.protocol import PROBE_ARG, ProbeSpec
 
-__all__ = ["FLAG_MESSAGES", "StepRows", "batch_layout", "check_slots", "plan_rows", "to_device"]
+__all__ = ["FLAG_MESSAGES", "HostStaging", "StepRows", "batch_layout", "check_slots", "plan_rows"]
 
 FLAG_MESSAGES = (
     "probe: KV cache layout check failed: cached key of the last prompt token differs from the "
@@ -117,6 +117,7 @@ def plan_rows(
     block_size: int,
     faults: set[str],
     fault_message: str,
+    staging: HostStaging,
 ) -> StepRows:
     """The step's rows from ``found`` = [(batch index, token row of the last prompt token,
     vLLM's request state)], with their device tensors built in a handful of copies."""
@@ -139,21 +140,54 @@ def plan_rows(
         if error is None:
             rows.ok.append(len(rows.keys) - 1)
     if rows.ok:
-        _device_tensors(rows, found, metadata, block_size)
+        _device_tensors(rows, found, metadata, block_size, staging)
     return rows
 
 
-def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``values`` on ``device`` without synchronising: on CUDA through pinned memory and a
-    non-blocking copy (``torch.tensor(list, device=cuda)`` would wait for the whole stream)."""
-    host = torch.from_numpy(values)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+class HostStaging:
+    """Copies of a step's small host arrays to the device that never synchronise and never pin
+    new memory: on CUDA each copy goes through one of ``SLOTS`` pinned buffers, used in turn and
+    kept (pinning fresh memory each step, as ``Tensor.pin_memory()`` does for new sizes, costs
+    milliseconds), and a buffer is written again only once the copy it last fed has run (its
+    event: ``SLOTS`` copies later, which a step makes at most three of, so in practice it has).
+    ``torch.tensor(list, device=cuda)`` would instead wait for every kernel queued before it."""
+
+    SLOTS = 8
+
+    def __init__(self, device: Any) -> None:
+        self.device = torch.device(device)
+        self._buffers: list[torch.Tensor | None] = [None] * self.SLOTS
+        self._events: list[Any] = [None] * self.SLOTS
+        self._turn = 0
+
+    def to_device(self, values: np.ndarray) -> torch.Tensor:
+        """``values`` on the device (a new tensor, same dtype and shape)."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(values).to(self.device)
+        values = np.ascontiguousarray(values)
+        slot, self._turn = self._turn, (self._turn + 1) % self.SLOTS
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()  # the copy SLOTS calls ago: long done
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < values.nbytes:
+            size = max(values.nbytes, 2 * (0 if buffer is None else buffer.numel()), 1 << 16)
+            buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        host = buffer[: values.nbytes]
+        host.numpy()[:] = values.reshape(-1).view(np.uint8)
+        out = host.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._events[slot] = event
+        dtype = torch.from_numpy(np.empty(0, dtype=values.dtype)).dtype
+        return out.view(dtype).view(values.shape)
 
 
 def _device_tensors(
-    rows: StepRows, found: list[tuple[int, int, Any]], metadata: Any, block_size: int
+    rows: StepRows,
+    found: list[tuple[int, int, Any]],
+    metadata: Any,
+    block_size: int,
+    staging: HostStaging,
 ) -> None:
     """Masks and KV slots of the scored rows: two host-to-device copies, one gather."""
     ok = rows.ok
@@ -172,7 +206,7 @@ def _device_tensors(
     )
     table = metadata.block_table
     device = table.device
-    masks_d, index_d = to_device(masks, device), to_device(index, device)
+    masks_d, index_d = staging.to_device(masks), staging.to_device(index)
     rows.valid, rows.instruction, rows.data = masks_d[0], masks_d[1], masks_d[2]
     rows.token_rows = index_d[:, 1]
     blocks = table.index_select(0, index_d[:, 0])[:, : (width + block_size - 1) // block_size]

@@ -110,7 +110,7 @@ def test_probe_does_not_change_generated_text(tiny_engine):
     results = tiny_engine.llm.collective_rpc(
         "guardrail_pop_results", args=([f"same-batch-{i}" for i in range(len(prepared))],)
     )[0]
-    assert len(results) == len(prepared)  # the probed half really was probed
+    assert len(results["results"]) == len(prepared)  # the probed half really was probed
 
 
 def test_one_bad_request_fails_alone(tiny_engine):

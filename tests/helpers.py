@@ -75,7 +75,7 @@ def hf_head_stats(
         on_data = [row[i] for i in data]
         total = sum(on_data)
         entropy = 0.0
-        if len(on_data) > 1:
+        if len(on_data) > 1 and total > 0:  # float16 can round every data weight to 0
             shares = [x / total for x in on_data]
             entropy = -sum(x * math.log(x) for x in shares if x > 0) / math.log(len(on_data))
         stats[(layer, head)] = [

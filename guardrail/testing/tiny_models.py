@@ -197,13 +197,17 @@ def build_tiny_model(
     seed: int = 0,
     vocab_size: int = 1024,
     overrides: dict[str, object] | None = None,
+    qk_std: float = 0.2,
 ) -> Path:
     """Build (or reuse) a tiny random chat model with a local tokenizer at ``out_dir``.
 
     The directory is written atomically (built in a temporary sibling, then renamed), so
     concurrent builders never see a half-written model. Returns the model directory.
     ``overrides`` replace entries of the model config (sizes, ``torch_dtype``: e.g. a head size
-    GPU attention kernels support, saved in float16).
+    GPU attention kernels support, saved in float16). ``qk_std`` is the standard deviation of
+    the query and key projections: ten times the usual 0.02 by default, so attention is far
+    from uniform and scores differ by head; a lower one keeps the attention logits small enough
+    for float16 to stay close to float32 (the GPU parity tests).
 
     Example:
         >>> build_tiny_model("/tmp/tiny-qwen2", arch="qwen2").name  # doctest: +SKIP
@@ -229,7 +233,7 @@ def build_tiny_model(
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("q_proj.weight", "k_proj.weight")):
-                    param.normal_(0.0, 0.2)
+                    param.normal_(0.0, qk_std)
         model.save_pretrained(str(tmp), safe_serialization=True)
         (tmp / "generation_config.json").write_text(
             json.dumps({"eos_token_id": eos_id, "bos_token_id": eos_id, "do_sample": False})

@@ -5,11 +5,19 @@ Run on the H200 (``../shared/gpu/README.md``): ``python -m pytest -q tests/gpu``
 
 The model is a small random Llama in float16 with head size 64 (FlashAttention-3 has no kernel
 for the CPU tests' head size 32). The reference is Hugging Face eager attention in float16 on the
-same GPU (what the issue asks: same dtype, same device): both run every layer in float16, so they
-differ only by the order of float16 roundings in different kernels (a relative 2^-11 = 4.9e-4 per
-operation, carried through 4 layers; HF also rounds its attention rows to float16). The
-tolerances (``FP16_TOL``, ``FP16_STREAM_TOL``) cover that; the measured errors are printed. A
-float32 reference would add float16's own error, which peaked attention amplifies.
+same GPU (same dtype, same device): both run every layer in float16, so they differ only by the
+order of float16 roundings in different kernels (a relative 2^-11 = 4.9e-4 per operation,
+carried through 4 layers; HF also rounds its attention rows to float16). The tolerances
+(``FP16_TOL``, ``FP16_STREAM_TOL``) cover that; the measured errors are printed.
+
+How large float16's own error is depends on the model, and is measured here on the CPU with the
+reference alone (HF float16 against HF float32, the 18 requests of ``mixed_batch``): with the
+CPU tests' query/key init (std 0.2, ten times the usual, for peaked attention) the attention
+logits reach the tens, float16's rounding of them moves attention by up to 0.186 (stats) and
+the residual stream by 6.9 %, the same size as what the H200 showed between the engine and HF
+float16 (0.21, 4.4 %): float16 noise, no parity signal. With std 0.1 (``QK_STD``) the reference's
+own float16 error is 4.2e-3 (stats) and 0.44 % (stream), and the attention is still peaked
+enough that the heads differ, so these tests use it.
 """
 
 from __future__ import annotations
@@ -25,11 +33,15 @@ from tests.helpers import SYSTEM, hf_head_stats, mixed_batch, tiny_hidden_config
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 FP16_TOL = 1e-2
-"""Largest difference allowed between the engine's float16 stats and float32 Hugging Face."""
+"""Largest difference allowed between the engine's float16 stats and HF float16's: about twice
+the reference's own float16 error on this model (4.2e-3 against HF float32)."""
 
 FP16_STREAM_TOL = 2e-2
-"""Largest relative error (L2, of the whole vector) of a float16 residual stream against float32
-Hugging Face: float16 keeps 11 bits (2^-11 = 5e-4 per operation), carried through 4 layers."""
+"""Largest relative error (L2, of the whole vector) of a float16 residual stream against HF
+float16's: about four times the reference's own float16 error on this model (0.44 %)."""
+
+QK_STD = 0.1
+"""The test model's query/key init (see the module docstring)."""
 
 SHAPE = {
     "hidden_size": 256,
@@ -45,7 +57,9 @@ def fp16_llama_dir() -> Path:
     from guardrail.testing.tiny_models import build_tiny_model
 
     root = Path(os.environ.get("GUARDRAIL_TEST_CACHE", "/tmp/guardrail-tests"))
-    return build_tiny_model(root / "tiny-llama-fp16-h64", arch="llama", overrides=SHAPE)
+    return build_tiny_model(
+        root / "tiny-llama-fp16-h64-qk01", arch="llama", overrides=SHAPE, qk_std=QK_STD
+    )
 
 
 def _engine(model_dir: Path, eager: bool, config=None, **extra):  # type: ignore[no-untyped-def]

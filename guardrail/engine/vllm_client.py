@@ -102,6 +102,8 @@ __all__ = [
 
 SHM_DIR = Path("/dev/shm")
 PROCESS_EXIT_TIMEOUT_S = 10.0
+EXIT_CODE_WAIT_S = 1.0
+"""How long the watch waits for a dead engine process's exit code, to name its signal."""
 """How long ``stop`` waits for the engine's processes to exit before it kills them."""
 SHUTDOWN_TIMEOUT_S = 60.0
 """How long vLLM's shutdown lets the engine core (and its workers) exit on their own before it
@@ -257,7 +259,11 @@ class EngineSupervisor:
     def _which(self, ready: Sequence[Any], pidfds: dict[int, Any]) -> str:
         for proc in self._children:
             if proc.sentinel in ready:
-                proc.join(0.2)  # vLLM's own monitor may be reaping it right now
+                # vLLM's own monitor may be reaping it right now: its exit code lands on the
+                # shared Popen object a moment after (seen late on a loaded 2-core machine)
+                deadline = time.monotonic() + EXIT_CODE_WAIT_S
+                while proc.exitcode is None and time.monotonic() < deadline:
+                    proc.join(0.05)
                 return _describe_exit(proc.name, proc.pid, proc.exitcode)
         for fd, proc in pidfds.items():
             if fd in ready:

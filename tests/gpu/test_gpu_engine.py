@@ -130,19 +130,30 @@ def test_gpu_stats_equal_hf_with_chunked_prefill_and_prefix_cache(fp16_llama_dir
 
 
 def test_no_request_escapes_the_probe_under_full_cuda_graphs(fp16_llama_dir):
-    """24 prompts sent twice, compiled (FULL_AND_PIECEWISE): on the second pass some are cached
-    up to their last token, whose step has one token per request, the shape vLLM replays as a
-    full graph. Every request of both passes must be scored."""
+    """24 prompts of 16k + 1 tokens sent twice, compiled (FULL_AND_PIECEWISE, block size 16):
+    on the second pass each is cached up to its last token, so its step has one token per
+    request, the shape vLLM replays as a full graph. Every request of both passes must be
+    scored, and the second pass must really be that case."""
     engine = _engine(fp16_llama_dir, eager=False)
     try:
         filler = "The invoice was paid on time and the supplier confirmed the order. "
-        batch = [("Summarize the note.", filler * (4 + i % 5) + f"Ref {i}.") for i in range(24)]
+        batch = []
+        for i in range(24):
+            data = filler * (4 + i % 5) + f"Ref {i}."
+            for _ in range(32):  # " a" is one more token with this tokenizer
+                if len(engine.prepare(("Summarize the note.", data)).token_ids) % 16 == 1:
+                    break
+                data += " a"
+            else:
+                raise AssertionError("no prompt of 16k + 1 tokens found")
+            batch.append(("Summarize the note.", data))
         for _ in range(2):
             outs = engine.generate(batch, engine.sampling(max_tokens=4))
             missing = [o.probe.error for o in outs if o.probe.error is not None]
             assert not missing, missing
         cached_to_last = [o for o in outs if o.num_cached_tokens >= len(o.prompt.token_ids) - 1]
         print(f"cached up to the last token on the second pass: {len(cached_to_last)} of 24")
+        assert len(cached_to_last) == len(batch)
     finally:
         engine.close()
 

@@ -33,6 +33,7 @@ from guardrail.probe.config import (
     read_model_config,
 )
 from guardrail.probe.prompts import GuardedPrompt, Message, PreparedPrompt, Segment, prepare_prompt
+from guardrail.version import __version__
 
 if TYPE_CHECKING:
     from guardrail.engine import GuardedOutput, HookedLLM, ProbeResult
@@ -70,6 +71,7 @@ __all__ = [
     "RequestError",
     "Segment",
     "Verdict",
+    "__version__",
     "load_model_config",
     "load_policy",
     "prepare_prompt",

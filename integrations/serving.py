@@ -75,6 +75,7 @@ from guardrail.metrics.http import make_asgi_app
 from guardrail.metrics.recorder import GuardrailMetrics
 from guardrail.policy.verdict import Verdict
 from guardrail.probe.prompts import GuardedPrompt, Message, Segment
+from guardrail.version import __version__
 
 __all__ = ["ChatRequest", "CompletionRequest", "build_app", "main"]
 
@@ -507,6 +508,7 @@ def build_parser() -> Any:
         "SmolLM2-135M-Instruct)",
     )
     own = parser.add_argument_group("guardrail-serve")
+    own.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     own.add_argument(
         "--probe-config",
         default=None,

@@ -74,7 +74,10 @@ def _description() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-parser per registered subcommand."""
+    from guardrail.version import __version__
+
     parser = argparse.ArgumentParser(prog="guardrail", description=_description())
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in SUBCOMMANDS.values():
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)

@@ -143,9 +143,6 @@ def per_request_args(
     return PerRequestArgs(params, stops, on_error, keys, errors)
 
 
-WIDTH = len(ATTENTION_STATS)
-
-
 class ProbeClient:
     """Builds probe specs and turns the workers' results into ``ProbeResult``s.
 
@@ -223,10 +220,10 @@ class ProbeClient:
             seconds = max(seconds, found["probe_seconds"])
             stopped = stopped or bool(found.get("stopped"))
             flat = found.get("stats")
-            if flat is not None:  # WIDTH values per head, in the rank's head order
+            if flat is not None:  # len(ATTENTION_STATS) values per head, in the rank's order
                 order = [(int(layer), int(head)) for layer, head in rank["heads"]]
-                values = iter(flat)
-                heads.update(zip(order, zip(*[values] * WIDTH, strict=False), strict=True))
+                per_head = [iter(flat)] * len(ATTENTION_STATS)
+                heads.update(zip(order, zip(*per_head, strict=False), strict=True))
             # the stream between layers is the same on every tensor-parallel rank
             hidden.update((int(layer), float(term)) for layer, term in found.get("hidden", []))
             streams.update((int(lay), tuple(x)) for lay, x in found.get("hidden_states", []))

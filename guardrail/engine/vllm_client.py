@@ -102,9 +102,9 @@ __all__ = [
 
 SHM_DIR = Path("/dev/shm")
 PROCESS_EXIT_TIMEOUT_S = 10.0
+"""How long ``stop`` waits for the engine's processes to exit before it kills them."""
 EXIT_CODE_WAIT_S = 1.0
 """How long the watch waits for a dead engine process's exit code, to name its signal."""
-"""How long ``stop`` waits for the engine's processes to exit before it kills them."""
 SHUTDOWN_TIMEOUT_S = 60.0
 """How long vLLM's shutdown lets the engine core (and its workers) exit on their own before it
 kills them. vLLM's own default, 5 s, is shorter than a clean exit takes on a busy CPU machine

@@ -38,6 +38,7 @@ EXPECTED = {
     "load_policy",
     "prepare_prompt",
     "read_model_config",
+    "__version__",
 }
 
 

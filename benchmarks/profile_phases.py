@@ -83,7 +83,6 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
     from bench_gpu import requests_of, time_once
-    from vllm import LLM
 
     from guardrail.engine import HookedLLM
     from guardrail.probe.prompts import prepare_prompt
@@ -104,7 +103,9 @@ def main() -> None:
         "seed": 0,
     }
     guarded = HookedLLM(model, dummy_probe_config(args.shape), **engine_args)
-    plain = LLM(model, **engine_args)
+    # one engine per process (vLLM's CUDA-graph state is global): "plain" is the same engine's
+    # vllm.LLM fed requests without a probe spec (nothing scored; its wrappers find no rows)
+    plain = guarded.llm
     tokenizer = plain.get_tokenizer()
     instrument(guarded)
     rows = []

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from guardrail.engine.types import (
     STOP_IS,
     ProbeResult,
@@ -34,7 +36,7 @@ from guardrail.engine.types import (
 from guardrail.errors import ConfigError, GuardrailError, RequestError
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt
-from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, head_focus
+from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, focus_of
 from guardrail.protocol import PROBE_ARG, PoppedResults, ProbeSpec
 
 __all__ = [
@@ -159,6 +161,8 @@ class ProbeClient:
         self.tp_size = tp_size
         self.pp_size = pp_size
         self.stop_token = stop_token
+        self._config_heads = frozenset(config.heads)
+        self._last_order: tuple[list[list[int]], _HeadOrder] | None = None
 
     def spec(
         self,
@@ -211,6 +215,8 @@ class ProbeClient:
         means: dict[int, tuple[float, ...]] = {}
         error: str | None = None
         num_prompt_tokens, seconds, stopped = 0, 0.0, False
+        scores: dict[HeadKey, float] = {}
+        tables: list[tuple[_HeadOrder, np.ndarray]] = []
         for rank in per_rank:
             found = rank["results"].get(key)
             if found is None:
@@ -221,22 +227,33 @@ class ProbeClient:
             stopped = stopped or bool(found.get("stopped"))
             flat = found.get("stats")
             if flat is not None:  # len(ATTENTION_STATS) values per head, in the rank's order
-                order = [(int(layer), int(head)) for layer, head in rank["heads"]]
+                order = self._order(rank["heads"])
+                table = np.array(flat, dtype=np.float64).reshape(-1, len(ATTENTION_STATS))
+                tables.append((order, table))
                 per_head = [iter(flat)] * len(ATTENTION_STATS)
-                heads.update(zip(order, zip(*per_head, strict=False), strict=True))
+                heads.update(zip(order.heads, zip(*per_head, strict=False), strict=True))
+                scores.update(zip(order.heads, focus_of(table).tolist(), strict=True))
             # the stream between layers is the same on every tensor-parallel rank
             hidden.update((int(layer), float(term)) for layer, term in found.get("hidden", []))
             streams.update((int(lay), tuple(x)) for lay, x in found.get("hidden_states", []))
             means.update((int(lay), tuple(x)) for lay, x in found.get("data_mean_states", []))
         if error is None and not heads:
             error = "missing: the probe returned no score for this request"
-        elif error is None and any(h not in heads for h in self.config.heads):
+        elif error is None and not self._config_heads <= heads.keys():
             error = "incomplete: some configured heads were not scored"
         elif error is None and any(lay not in hidden for lay in self.config.hidden_layers):
             error = "incomplete: some configured hidden layers were not read"
+        focus = None
+        if error is None:
+            whole = next((t for o, t in tables if o.config_rows is not None), None)
+            if whole is not None:  # one rank holds every configured head: no dict per head
+                order = next(o for o, _ in tables if o.config_rows is not None)
+                focus = self.config.focus_of_stats(whole[order.config_rows], hidden)
+            else:
+                focus = self.config.focus(heads, hidden)
         return ProbeResult(
-            focus=None if error else self.config.focus(heads, hidden),
-            head_scores=head_focus(heads),
+            focus=focus,
+            head_scores=scores,
             head_stats=heads,
             hidden=hidden,
             hidden_states=streams,
@@ -246,3 +263,27 @@ class ProbeClient:
             probe_seconds=seconds,
             stopped=stopped,
         )
+
+    def _order(self, wire: list[list[int]]) -> _HeadOrder:
+        """A rank's head order as sent (``PoppedResults.heads``), parsed once per pop: every
+        result of one pop shares the same list object."""
+        cached = self._last_order
+        if cached is not None and cached[0] is wire:
+            return cached[1]
+        heads = [(int(layer), int(head)) for layer, head in wire]
+        row = {h: i for i, h in enumerate(heads)}
+        rows = None
+        if self._config_heads <= row.keys():
+            rows = np.array([row[h] for h in self.config.heads], dtype=np.int64)
+        order = _HeadOrder(heads, rows)
+        self._last_order = (wire, order)
+        return order
+
+
+@dataclass(frozen=True)
+class _HeadOrder:
+    """One rank's head order: the heads of its stats rows, and where the config's heads sit
+    among them (None when the rank lacks some)."""
+
+    heads: list[HeadKey]
+    config_rows: np.ndarray | None

@@ -31,9 +31,8 @@ from guardrail.probe.scoring import (
     FEATURES_PER_HEAD,
     FeatureKind,
     HeadKey,
-    head_focus,
+    focus_of,
     logistic_focus,
-    mean_focus,
 )
 from guardrail.strict import (
     ConfigModel,
@@ -306,6 +305,13 @@ class ModelProbeConfig(ConfigModel):
         a hidden-state part, each hidden layer's logit term (``hidden``: layer -> the term, as
         ``HiddenLayerProbe.project`` computes it; a layer read at both positions has the sum of
         its two terms) into the request's focus (low = injection)."""
+        stats = np.array([head_stats[h] for h in self.heads], dtype=np.float64)
+        return self.focus_of_stats(stats, hidden)
+
+    def focus_of_stats(self, stats: np.ndarray, hidden: Mapping[int, float] | None = None) -> float:
+        """:meth:`focus` from the stats of the config's heads as one float64 array
+        ``[len(self.heads), len(ATTENTION_STATS)]``, in ``self.heads`` order (no dict per head:
+        the engine's result path)."""
         if self.probe == "logistic":
             extra = 0.0
             if self.hidden:
@@ -315,10 +321,8 @@ class ModelProbeConfig(ConfigModel):
                         "the request's reading lacks some"
                     )
                 extra = sum(float(hidden[layer]) for layer in self.hidden_layers)
-            return logistic_focus(
-                head_stats, self.heads, self.weights or [], self.bias + extra, self.feature
-            )
-        return mean_focus(head_focus({h: head_stats[h] for h in self.heads}), self.heads)
+            return logistic_focus(stats, self.weights or [], self.bias + extra, self.feature)
+        return sum(focus_of(stats).tolist()) / len(self.heads)
 
     def check_fits(self, num_layers: int, num_heads: int) -> None:
         """Raise ``HeadsDoNotFitModelError`` if a head or hidden layer lies outside a model of

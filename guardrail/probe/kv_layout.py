@@ -13,8 +13,10 @@ it physically through strides, and a backend's kernels may arrange the bytes ins
 own way (the CPU ``vec`` kernels do).
 
 Adding a layout:
-    1. Write ``def my_keys(kv_cache, slots) -> Tensor`` returning the keys stored at the KV
-       slots ``slots`` (a long tensor of any shape ``S``), as ``[*S, num_kv_heads, head_size]``:
+    1. Write ``def my_keys(kv_cache, slots, kv_heads=None) -> Tensor`` returning the keys
+       stored at the KV slots ``slots`` (a long tensor of any shape ``S``), as
+       ``[*S, num_kv_heads, head_size]``; with ``kv_heads`` (a long tensor broadcast against
+       ``slots``, as advanced indices are) only those heads, ``[*broadcast shape, head_size]``:
        one gather, no Python loop, no host synchronisation.
     2. Decorate it with ``@register_kv_layout("<impl class name>", isa=...)``: the name is
        ``type(attention_layer.impl).__name__`` (e.g. ``"FlashAttentionImpl"``) and ``isa`` the
@@ -36,8 +38,10 @@ from collections.abc import Callable
 
 import torch
 
-KeyGather = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(kv_cache, slots [*S]) -> keys [*S, num_kv_heads, head_size]``."""
+KeyGather = Callable[..., torch.Tensor]
+"""``(kv_cache, slots [*S], kv_heads=None) -> keys``: ``[*S, num_kv_heads, head_size]``, or with
+``kv_heads`` (a long tensor broadcastable against ``slots``) only those heads,
+``[*broadcast(S, kv_heads.shape), head_size]`` (one gather for a layer's scored heads)."""
 
 _KV_LAYOUTS: dict[tuple[str, str | None], tuple[KeyGather, str]] = {}
 
@@ -84,7 +88,9 @@ def _describe(backend_name: str, isa: str | None) -> str:
     note="vLLM's CPU backend on x86 (on CPUs with AMX: dtype not bfloat16), block size and head "
     "size multiples of 32",
 )
-def cpu_vec_keys(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def cpu_vec_keys(
+    kv_cache: torch.Tensor, slots: torch.Tensor, kv_heads: torch.Tensor | None = None
+) -> torch.Tensor:
     """Keys from vLLM's CPU attention cache (ISA ``vec``) at ``slots``, as [*S, kv_heads, dim].
 
     The CPU kernels store, per (block, kv head), the keys first as a transposed [dim, block_size]
@@ -101,11 +107,14 @@ def cpu_vec_keys(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         >>> cpu_vec_keys(cache, torch.tensor([[4, 5, 0]])).shape
         torch.Size([1, 3, 1, 3])
     """
-    num_blocks, kv_heads, block_size, two_dims = kv_cache.shape
+    num_blocks, num_kv_heads, block_size, two_dims = kv_cache.shape
     dim = two_dims // 2
-    tiles = kv_cache.view(num_blocks, kv_heads, 2, dim, block_size)
-    # Advanced indices on dims 0 and 4, split by slices: the result is [*S, kv_heads, dim].
-    return tiles[slots // block_size, :, 0, :, slots % block_size]
+    tiles = kv_cache.view(num_blocks, num_kv_heads, 2, dim, block_size)
+    if kv_heads is None:
+        # Advanced indices on dims 0 and 4, split by slices: the result is [*S, kv_heads, dim].
+        return tiles[slots // block_size, :, 0, :, slots % block_size]
+    # Advanced indices on dims 0-2 and 4, split by a slice: [*broadcast shape, dim].
+    return tiles[slots // block_size, kv_heads, 0, :, slots % block_size]
 
 
 @register_kv_layout(
@@ -113,7 +122,9 @@ def cpu_vec_keys(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     note="vLLM's FlashAttention backend on GPU (--attention-backend FLASH_ATTN), any KV cache "
     "layout",
 )
-def flash_attn_keys(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def flash_attn_keys(
+    kv_cache: torch.Tensor, slots: torch.Tensor, kv_heads: torch.Tensor | None = None
+) -> torch.Tensor:
     """Keys from the FlashAttention (GPU) cache at ``slots``, as [*S, kv_heads, dim].
 
     FlashAttention reads the logical [blocks, kv_heads, block_size, 2 * dim] cache as
@@ -125,9 +136,15 @@ def flash_attn_keys(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor
         >>> flash_attn_keys(cache, torch.arange(10)).shape
         torch.Size([10, 2, 8])
     """
-    block_size, dim = kv_cache.shape[2], kv_cache.shape[3] // 2
-    # Advanced indices on dims 0 and 2, split by a slice: the result is [*S, kv_heads, 2 * dim].
-    return kv_cache[slots // block_size, :, slots % block_size][..., :dim]
+    num_blocks, num_kv_heads, block_size, two_dims = kv_cache.shape
+    keys = kv_cache[..., : two_dims // 2]  # a view: only the key channels are read
+    try:  # token-major storage (vLLM's default NHD layout): slots index one flat axis
+        flat = keys.transpose(1, 2).view(num_blocks * block_size, num_kv_heads, two_dims // 2)
+    except RuntimeError:  # head-major storage: address (block, head, offset)
+        if kv_heads is None:
+            return keys[slots // block_size, :, slots % block_size]
+        return keys[slots // block_size, kv_heads, slots % block_size]
+    return flat[slots] if kv_heads is None else flat[slots, kv_heads]
 
 
 BACKEND_FIXES = {

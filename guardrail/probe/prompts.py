@@ -30,13 +30,14 @@ Example:
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import re
 import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -224,6 +225,16 @@ class _Vocab:
     unk_id: int | None
     encode_text: Callable[[str], _Encoding]  # tokenize as text: special tokens not recognised
     encode_batch: Callable[[list[str]], list[_Encoding]] | None  # the usual encoding, batched
+    # roles of a request's messages -> (the template rendered with placeholders, the tag in them)
+    skeletons: dict[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def is_control(self) -> np.ndarray:
+        """``is_control[id]``: whether ``id`` is a control token's, for ids up to the largest
+        control id; the last entry (False) stands for every id above it."""
+        table = np.zeros(max(self.control, default=0) + 2, dtype=np.bool_)
+        table[list(self.control)] = True
+        return table
 
 
 _VOCABS: weakref.WeakKeyDictionary[Any, _Vocab] = weakref.WeakKeyDictionary()
@@ -352,14 +363,17 @@ def _template(tokenizer: Any, messages: list[Message], contents: list[str]) -> s
     return str(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
 
 
-def _placeholders(messages: list[Message]) -> list[str]:
+def _placeholders(messages: list[Message], tag: str | None = None) -> list[str] | None:
     """One unique string per message, absent from every role and content (random hex between
-    private-use characters, which no template contains)."""
+    private-use characters, which no template contains); with ``tag``, those of that tag, or
+    None if a role or content holds it."""
     texts = [m.role for m in messages] + [s.text for m in messages for s in m.segments()]
     while True:
-        tag = secrets.token_hex(8)
-        if not any(tag in text for text in texts):
-            return [f"\ue000{tag}.{i}\ue001" for i in range(len(messages))]
+        fresh = tag or secrets.token_hex(8)
+        if not any(fresh in text for text in texts):
+            return [f"\ue000{fresh}.{i}\ue001" for i in range(len(messages))]
+        if tag is not None:
+            return None
 
 
 def _render_skeleton(messages: list[Message], tokenizer: Any, holders: list[str]) -> str:
@@ -390,8 +404,34 @@ def _render(messages: list[Message], tokenizer: Any) -> tuple[str, list[tuple[in
     rendered with the real contents, or the request is refused.
     """
     contents = ["".join(s.text for s in m.segments()) for m in messages]
+    skeletons = _vocab(tokenizer).skeletons
+    roles = tuple(m.role for m in messages)
+    if roles in skeletons:  # the skeleton depends on the roles alone: rendered once for them
+        skeleton, tag = skeletons[roles]
+        holders = _placeholders(messages, tag)
+        if holders is not None:
+            try:
+                return _place(messages, tokenizer, contents, skeleton, holders)
+            except RequestError:  # e.g. a template that renders today's date: render afresh
+                pass
     holders = _placeholders(messages)
+    assert holders is not None
     skeleton = _render_skeleton(messages, tokenizer, holders)
+    rendered = _place(messages, tokenizer, contents, skeleton, holders)
+    if len(skeletons) < MAX_SKELETONS:
+        skeletons[roles] = (skeleton, holders[0][1:].split(".")[0])
+    return rendered
+
+
+MAX_SKELETONS = 256
+"""Skeletons kept per tokenizer (one per sequence of roles seen)."""
+
+
+def _place(
+    messages: list[Message], tokenizer: Any, contents: list[str], skeleton: str, holders: list[str]
+) -> tuple[str, list[tuple[int, int, SpanKind]]]:
+    """Put each content where its placeholder landed in ``skeleton``, recording its segments'
+    character ranges; checked against the template rendered with the real contents."""
     placed: list[tuple[int, int]] = []
     for i, (message, holder) in enumerate(zip(messages, holders, strict=True)):
         count = skeleton.count(holder)
@@ -516,8 +556,16 @@ def _forged(vocab: _Vocab, text: str, content: list[tuple[int, int]], encoding: 
     ids, offsets = encoding
     return any(
         _is_control(vocab, text, ids[i], *offsets[i]) and _overlaps(content, starts, *offsets[i])
-        for i in [i for i, token in enumerate(ids) if token in vocab.control]
+        for i in _control_positions(vocab, ids)
     )
+
+
+def _control_positions(vocab: _Vocab, ids: list[int]) -> list[int]:
+    """Positions of control-token ids in ``ids`` (one vectorised pass, not a loop per token)."""
+    if not vocab.control:
+        return []
+    array = np.fromiter(ids, dtype=np.int64, count=len(ids))
+    return np.flatnonzero(vocab.is_control.take(array, mode="clip")).tolist()
 
 
 def _encode_content_as_text(

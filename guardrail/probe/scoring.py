@@ -85,13 +85,13 @@ def batched_attention_stats(
     """:func:`head_attention_stats` for many requests at once, padded: a few kernels, no loop.
 
     Shapes: q [rows, heads, dim] (each row's last-prompt-token query, scored heads only); k
-    [rows, tokens, heads, dim] (each row's keys, already gathered per scored head, padded to
+    [rows, heads, tokens, dim] (each row's keys, already gathered per scored head, padded to
     the longest row); valid, instruction_mask, data_mask [rows, tokens] bool (padding is not
     valid, and is in neither span). Returns [rows, heads, 5] float32, equal to
     :func:`head_attention_stats` row by row (up to float summation order).
 
     Example:
-        >>> q = torch.zeros(2, 1, 4); k = torch.zeros(2, 3, 1, 4)
+        >>> q = torch.zeros(2, 1, 4); k = torch.zeros(2, 1, 3, 4)
         >>> valid = torch.tensor([[True, True, True], [True, True, False]])
         >>> m_i = torch.tensor([[True, False, False], [True, False, False]])
         >>> m_d = torch.tensor([[False, True, True], [False, True, False]])
@@ -107,8 +107,9 @@ def batched_logits(
     q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None = None
 ) -> torch.Tensor:
     """Attention logits of each row's query over its keys, in float32: q [rows, heads, dim], k
-    [rows, tokens, heads, dim] -> [rows, heads, tokens] (soft-capped when ``softcap``)."""
-    logits = torch.einsum("rhd,rthd->rht", q.float(), k.float()) * scale
+    [rows, heads, tokens, dim] -> [rows, heads, tokens] (soft-capped when ``softcap``). One
+    batched product (k as gathered, head-major, needs no copy to multiply)."""
+    logits = torch.matmul(k.float(), q.float()[..., None])[..., 0] * scale
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
     return logits
@@ -210,24 +211,23 @@ def head_features(stats: np.ndarray, kind: FeatureKind) -> np.ndarray:
 
 
 def logistic_focus(
-    head_stats: Mapping[HeadKey, Sequence[float]],
-    heads: Sequence[HeadKey],
+    stats: np.ndarray,
     weights: Sequence[float],
     bias: float,
     feature: FeatureKind = "focus",
 ) -> float:
     """Learned weighting of head features, returned as a focus (1 - P(injection)).
 
-    ``head_stats`` maps a head to its :data:`ATTENTION_STATS`; ``weights`` (len(heads) *
-    FEATURES_PER_HEAD[feature], head-major) and ``bias`` are a logistic regression predicting
-    injection from the heads' features (:func:`head_features`); returning 1 - p keeps one
-    convention for every probe kind: low = injection.
+    ``stats`` [heads, len(ATTENTION_STATS)] float64 holds each head's
+    :data:`ATTENTION_STATS`; ``weights`` (heads * FEATURES_PER_HEAD[feature], head-major) and
+    ``bias`` are a logistic regression predicting injection from the heads' features
+    (:func:`head_features`); returning 1 - p keeps one convention for every probe kind: low =
+    injection.
 
     Example:
-        >>> round(logistic_focus({(0, 0): [1.0, 0.0, 0, 0, 0]}, [(0, 0)], [-2.0], 1.0), 4)
+        >>> round(logistic_focus(np.array([[1.0, 0.0, 0, 0, 0]]), [-2.0], 1.0), 4)
         0.7311
     """
-    stats = np.array([head_stats[h] for h in heads], dtype=np.float64)
     features = head_features(stats, feature)
     z = bias + float(np.dot(np.asarray(weights, dtype=np.float64), features))
     p_injection = 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))

@@ -66,7 +66,9 @@ CHUNK_ELEMENTS = 1 << 26
 """Rows are scored in chunks whose float32 key copy stays under this many elements (256 MiB)."""
 
 
-def _no_gather(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _no_gather(
+    kv_cache: torch.Tensor, slots: torch.Tensor, kv_heads: torch.Tensor | None = None
+) -> torch.Tensor:
     raise RuntimeError("probe has no hooked layer")
 
 
@@ -79,6 +81,11 @@ class Layer:
     impl: Any
     original_forward: Any
     had_instance_forward: bool
+
+    @property
+    def kv_head_column(self) -> torch.Tensor:
+        """``kv_heads`` as [h, 1], to index (head, position) pairs."""
+        return self.kv_heads[:, None]
 
 
 @dataclass
@@ -243,25 +250,25 @@ class Probe:
         rows = self.rows
         if not rows.scored:
             return
-        assert rows.token_rows is not None and rows.slots is not None
-        assert rows.last_slots is not None
-        tokens, heads = rows.slots.shape[1], len(layer.global_heads)
+        assert rows.token_column is not None and rows.head_slots is not None
+        assert rows.token_rows is not None and rows.last_slots is not None
+        tokens, heads = rows.head_slots.shape[2], len(layer.global_heads)
         if not heads:  # hooked only to finish in step with the other ranks
             rows.logits.append(query.new_zeros((rows.scored, 0, tokens), dtype=torch.float32))
             return
         dim = query.shape[-1]
         if layer.index == self.first_layer:
-            computed = key.index_select(0, rows.token_rows).reshape(rows.scored, -1, dim)
+            computed = key.view(key.shape[0], -1, dim).index_select(0, rows.token_rows)
             cached = self.gather(kv_cache, rows.last_slots)
             close = torch.isclose(cached.float(), computed.float(), rtol=1e-3, atol=1e-3)
             rows.flag(LAYOUT, ~close.flatten(1).all(1))
-        q = query.index_select(0, rows.token_rows).reshape(rows.scored, -1, dim)
-        q = q.index_select(1, layer.local_heads)
+        # one gather each: the scored heads' queries [K, h, dim], their keys [K, h, T, dim]
+        q = query.view(query.shape[0], -1, dim)[rows.token_column, layer.local_heads]
         chunk = max(1, CHUNK_ELEMENTS // max(tokens * heads * dim, 1))
         parts = []
         for lo in range(0, rows.scored, chunk):  # one pass unless the step is very large
             hi = lo + chunk
-            keys = self.gather(kv_cache, rows.slots[lo:hi]).index_select(2, layer.kv_heads)
+            keys = self.gather(kv_cache, rows.head_slots[lo:hi], layer.kv_head_column)
             parts.append(
                 batched_logits(q[lo:hi], keys, float(layer.impl.scale), layer.impl.logits_soft_cap)
             )

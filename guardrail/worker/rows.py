@@ -52,10 +52,12 @@ class StepRows:
     has_data: list[bool] = field(default_factory=list)
     ok: list[int] = field(default_factory=list)
     token_rows: torch.Tensor | None = None  # [K] row of the last prompt token in the batch
+    token_column: torch.Tensor | None = None  # [K, 1] the same, to index (row, head) pairs
     valid: torch.Tensor | None = None  # [K, T] bool: position < the row's prompt length
     instruction: torch.Tensor | None = None  # [K, T] bool
     data: torch.Tensor | None = None  # [K, T] bool
     slots: torch.Tensor | None = None  # [K, T] long: KV slot of every position
+    head_slots: torch.Tensor | None = None  # [K, 1, T] the same, to index (row, head, position)
     last_slots: torch.Tensor | None = None  # [K] long: KV slot of the last prompt token
     flags: torch.Tensor | None = None  # [K, len(FLAG_MESSAGES)] bool
     logits: list[torch.Tensor] = field(default_factory=list)  # per hooked layer [K, heads, T]
@@ -209,9 +211,11 @@ def _device_tensors(
     masks_d, index_d = staging.to_device(masks), staging.to_device(index)
     rows.valid, rows.instruction, rows.data = masks_d[0], masks_d[1], masks_d[2]
     rows.token_rows = index_d[:, 1]
+    rows.token_column = rows.token_rows[:, None]
     blocks = table.index_select(0, index_d[:, 0])[:, : (width + block_size - 1) // block_size]
     positions = torch.arange(width, device=device)
     rows.slots = blocks.long()[:, positions // block_size] * block_size + positions % block_size
+    rows.head_slots = rows.slots[:, None, :]
     last = index_d[:, 2]
     rows.last_slots = rows.slots.gather(1, last[:, None])[:, 0]
     rows.flags = torch.zeros(len(ok), len(FLAG_MESSAGES), dtype=torch.bool, device=device)

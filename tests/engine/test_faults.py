@@ -381,7 +381,7 @@ def test_a_wrong_kv_reader_is_caught_by_the_live_layout_check(tiny_engine):
 
     [probe] = [p for p in PROBES.values() if p.layers]  # the in-process engine's worker
     right = probe.gather
-    probe.gather = lambda cache, slots: right(cache, slots + 1)  # one slot off
+    probe.gather = lambda cache, slots, *heads: right(cache, slots + 1, *heads)  # one slot off
     try:
         outs = tiny_engine.generate(REQUESTS[:3], tiny_engine.sampling(max_tokens=2))
     finally:

@@ -175,7 +175,7 @@ def _flash_attn_write(monkeypatch: pytest.MonkeyPatch) -> Write:
 
 def _round_trip(
     write: Write,
-    read: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    read: Callable[..., torch.Tensor],
     caches: list[torch.Tensor],
     block_ids: list[int],
 ) -> None:
@@ -207,6 +207,12 @@ def _round_trip(
         both = read(cache, grid)
         assert both.shape == (2, num_tokens, kv_heads, head_size)
         assert torch.equal(both[0], layer_keys) and torch.equal(both[1], layer_keys.flip(0))
+        # ... and only a layer's scored heads, head-major: [rows, heads, tokens, head_size]
+        heads = torch.tensor([kv_heads - 1, 0, kv_heads - 1])
+        per_head = read(cache, grid[:, None, :], heads[:, None])
+        assert per_head.shape == (2, len(heads), num_tokens, head_size)
+        assert torch.equal(per_head[0], layer_keys[:, heads].transpose(0, 1))
+        assert torch.equal(per_head[1], layer_keys.flip(0)[:, heads].transpose(0, 1))
 
 
 # (num_blocks, block_size, kv_heads, head_size, block ids of the request in table order)

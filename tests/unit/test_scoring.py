@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,15 +129,16 @@ def test_aggregations():
     stats = {h: [f, 1 - f, 0.0, 0.0, 0.0] for h, f in scores.items()}
     z = 0.3 + (-4.0 * 0.2) + (1.5 * 0.8)
     want = 1 - 1 / (1 + math.exp(-z))
-    assert logistic_focus(stats, [(1, 0), (2, 3)], [-4.0, 1.5], 0.3) == pytest.approx(want)
-    one = {(0, 0): [1.0, 0.0, 0.0, 0.0, 0.0]}
-    assert logistic_focus(one, [(0, 0)], [-1000.0], 0.0) == pytest.approx(1.0)
-    assert logistic_focus(one, [(0, 0)], [1000.0], 0.0) == pytest.approx(0.0)
+    table = np.array([stats[(1, 0)], stats[(2, 3)]])
+    assert logistic_focus(table, [-4.0, 1.5], 0.3) == pytest.approx(want)
+    one = np.array([[1.0, 0.0, 0.0, 0.0, 0.0]])
+    assert logistic_focus(one, [-1000.0], 0.0) == pytest.approx(1.0)
+    assert logistic_focus(one, [1000.0], 0.0) == pytest.approx(0.0)
     # attention_stats: five weights per head, on log masses and the data entropy
     s = [0.3, 0.2, 0.4, 0.05, 0.7]
     w = [0.5, -1.0, 0.2, 2.0, -3.0]
     z = 0.1 + sum(wi * xi for wi, xi in zip(w, [*map(math.log, s[:4]), s[4]], strict=True))
-    got = logistic_focus({(0, 0): s}, [(0, 0)], w, 0.1, "attention_stats")
+    got = logistic_focus(np.array([s]), w, 0.1, "attention_stats")
     assert got == pytest.approx(1 - 1 / (1 + math.exp(-z)))
 
 
@@ -157,7 +159,13 @@ def test_batched_stats_equal_the_per_request_stats(softcap):
         valid[r, :n] = True
         instr[r, :n], data[r, :n] = spans_to_mask(i_spans, n), spans_to_mask(d_spans, n)
     got = batched_attention_stats(
-        q, k.index_select(2, kv_index), valid, instr, data, 1 / math.sqrt(dim), softcap
+        q,
+        k.index_select(2, kv_index).transpose(1, 2),
+        valid,
+        instr,
+        data,
+        1 / math.sqrt(dim),
+        softcap,
     )
     assert got.shape == (len(cases), heads, 5)
     for r, (n, _, _) in enumerate(cases):

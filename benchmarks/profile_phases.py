@@ -127,7 +127,7 @@ def main() -> None:
                 sites = sorted({f"{w.filename}:{w.lineno}" for w in caught})
                 print(f"sync sites, batch {batch}: {json.dumps(sites, indent=1)}", flush=True)
             spent = dict(SPENT)
-            plain_wall, _ = time_once(plain, "plain", prepared, 1)
+            plain_wall, _ = time_once(plain, "plain_text", prepared, 1)  # own cache salt
             if salt < 2 or missing:
                 continue
             walls["guarded"].append(wall)

@@ -62,7 +62,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from guardrail.engine.install import engine_arg
+from guardrail.embedded import model_or_embedded
+from guardrail.engine.install import engine_arg, engine_probe_config
 from guardrail.errors import (
     ConfigError,
     EngineClosedError,
@@ -582,6 +583,12 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
+    try:  # before anything starts: a model with no config is told what to run, at once
+        model = str(model_or_embedded(args.model))
+        engine_probe_config(model, args.probe_config, engine_kwargs, announce=False)
+    except GuardrailError as exc:
+        print(f"guardrail-serve: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     registry = CollectorRegistry()
     policies = None if args.threshold is None else [{"threshold": args.threshold}]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from guardrail.errors import ConfigError, EngineNotGuardableError
 from guardrail.probe.config import ModelProbeConfig, resolve_config
 from guardrail.probe.scoring import HeadKey
 from guardrail.protocol import STOP_PROCESSOR, WORKER_EXTENSION, ModelInfo
+
+LOG = logging.getLogger("guardrail")
 
 __all__ = [
     "SELF_TEST_REQUEST",
@@ -72,14 +75,23 @@ def engine_arguments(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def engine_probe_config(
-    model: str, probe_config: ModelProbeConfig | str | Path | None, engine_kwargs: dict[str, Any]
+    model: str,
+    probe_config: ModelProbeConfig | str | Path | None,
+    engine_kwargs: dict[str, Any],
+    *,
+    announce: bool = True,
 ) -> ModelProbeConfig:
     """The probe config for an engine started with ``engine_kwargs``: ``resolve_config``, told
     whether the engine will run eager (``enforce_eager=True`` given, or the CPU default of
     ``EngineHandle.start_arguments``); with no config given, an eager engine of the embedded
-    SmolLM2 reads the ``combined`` variant, a compiled one the attention-only default."""
+    SmolLM2 reads the ``combined`` variant, a compiled one the attention-only default.
+    ``announce``: log a config that was never calibrated (the engines do, once at start-up;
+    a guard's every verdict says it too)."""
     eager = EngineHandle.start_arguments(engine_kwargs).get("enforce_eager") is True
-    return resolve_config(model, probe_config, eager=eager)
+    config = resolve_config(model, probe_config, eager=eager)
+    if announce and config.uncalibrated is not None:
+        LOG.warning("guardrail: %s", config.uncalibrated)
+    return config
 
 
 def check_sizes_from_files(model: str, config: ModelProbeConfig) -> None:

@@ -128,7 +128,7 @@ class AsyncGuardedLLM:
     ) -> AsyncGuardedLLM:
         """Start an engine and guard it; everything is checked before the engine starts."""
         model = model_or_embedded(model)
-        config = engine_probe_config(str(model), probe_config, engine_kwargs)
+        config = engine_probe_config(str(model), probe_config, engine_kwargs, announce=False)
         decider = Decider(
             config,
             policies,

@@ -62,7 +62,8 @@ class VerdictObserver(Protocol):
     """What ``GuardedLLM(metrics=...)`` calls; ``guardrail.metrics.recorder.GuardrailMetrics`` fits.
 
     An observer that also has ``set_thresholds(policies, model_name, model_threshold=...)``
-    (``GuardrailMetrics`` does) gets the guard's policies once, when the guard is built.
+    (``GuardrailMetrics`` does) gets the guard's policies once, when the guard is built, and
+    one with ``set_calibrated(calibrated, model_name)`` whether the model config was calibrated.
     """
 
     def observe_verdict(self, verdict: Verdict, model_name: str) -> None: ...
@@ -184,6 +185,9 @@ class Decider:
         export = getattr(metrics, "set_thresholds", None)
         if callable(export):  # threshold gauges and zeroed decision series, from the start
             export(self.policies, self.model_name, model_threshold=self.threshold)
+        calibrated = getattr(metrics, "set_calibrated", None)
+        if callable(calibrated):
+            calibrated(config.uncalibrated is None, self.model_name)
 
     def policy_sets(
         self,
@@ -258,9 +262,12 @@ class Decider:
             verdict = decide(
                 policies, reading, request_id=request_id, model_threshold=self.threshold
             )
-        beyond = self._beyond_calibration(prompt.num_data_tokens, verdict)
-        if beyond is not None:
-            verdict = verdict.model_copy(update={"beyond_calibration": beyond})
+        notes = {
+            "beyond_calibration": self._beyond_calibration(prompt.num_data_tokens, verdict),
+            "uncalibrated": self.config.uncalibrated,
+        }
+        if any(notes.values()):
+            verdict = verdict.model_copy(update={k: v for k, v in notes.items() if v})
         return verdict
 
     def result(

@@ -95,7 +95,7 @@ class GuardedLLM:
         from guardrail.engine import HookedLLM
 
         model = model_or_embedded(model)
-        config = engine_probe_config(str(model), probe_config, engine_kwargs)
+        config = engine_probe_config(str(model), probe_config, engine_kwargs, announce=False)
         # Validate everything the user wrote before paying for an engine start.
         self.decider = Decider(
             config,

@@ -245,6 +245,14 @@ class GuardrailMetrics:
             multiprocess_mode="livemostrecent",
             **common,
         )
+        self.config_calibrated = Gauge(
+            "config_calibrated",
+            "1 when the model's probe config was calibrated on labelled rows, 0 when it never "
+            "was (published heads, untuned threshold: run `guardrail calibrate`).",
+            ["model_name"],
+            multiprocess_mode="livemostrecent",
+            **common,
+        )
         self.build_info = Gauge(
             "build_info",
             "Versions of vllm-guardrail and vLLM in this process (always 1).",
@@ -274,6 +282,7 @@ class GuardrailMetrics:
             self.probe_duration,
             self.in_flight,
             self.policy_threshold,
+            self.config_calibrated,
             self.build_info,
         ):
             self.registry.unregister(metric)
@@ -355,6 +364,18 @@ class GuardrailMetrics:
             yield
         finally:
             gauge.dec(n)
+
+    def set_calibrated(self, calibrated: bool, model_name: str | None = None) -> None:
+        """Export whether the model's probe config was calibrated (1) or never was (0).
+
+        Example:
+            >>> from prometheus_client import CollectorRegistry
+            >>> registry = CollectorRegistry()
+            >>> GuardrailMetrics(registry, model_name="m").set_calibrated(False)
+            >>> registry.get_sample_value("guardrail_config_calibrated", {"model_name": "m"})
+            0.0
+        """
+        self.config_calibrated.labels(self._model(model_name)).set(1.0 if calibrated else 0.0)
 
     def set_thresholds(
         self,

@@ -84,7 +84,8 @@ class Verdict(BaseModel):
     score and a failure mode decided. ``stopped_early`` is True when the engine ended the
     request right after its prefill (it decoded a single stop token). ``beyond_calibration``
     says why the score is less reliable than the model config's calibration suggests (the
-    request's data is longer than any calibration row); it never changes the action.
+    request's data is longer than any calibration row); ``uncalibrated`` that the model config
+    was never calibrated at all, and what to run. Neither changes the action.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -105,6 +106,7 @@ class Verdict(BaseModel):
     probe_latency_s: float = 0.0
     attempts: tuple[Attempt, ...] = ()
     beyond_calibration: str | None = None
+    uncalibrated: str | None = None
     reason: str
 
     @model_validator(mode="before")

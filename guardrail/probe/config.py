@@ -225,6 +225,25 @@ class ModelProbeConfig(ConfigModel):
     source: str = ""
     calibration: Calibration | None = None
 
+    @property
+    def uncalibrated(self) -> str | None:
+        """Why this config's scores and threshold were never measured on its model, and the
+        command that fixes it; None for a calibrated config (``calibration`` recorded).
+
+        Example:
+            >>> ModelProbeConfig(model_id="m", heads=[(0, 0)]).uncalibrated  # doctest: +ELLIPSIS
+            "the probe config of 'm' was never calibrated ... guardrail calibrate --model ..."
+        """
+        if self.calibration is not None:
+            return None
+        threshold = "no threshold" if self.threshold is None else f"threshold {self.threshold}"
+        return (
+            f"the probe config of {self.model_id!r} was never calibrated ({len(self.heads)} "
+            f"heads, {threshold}, none of it measured on this model): its verdicts are "
+            "unreliable. Calibrate it on labelled rows: `guardrail calibrate --model MODEL "
+            "--data pairs.jsonl --out DIR`, then serve with the config it writes"
+        )
+
     @model_validator(mode="after")
     def _check(self) -> ModelProbeConfig:
         if len(set(self.heads)) != len(self.heads):
@@ -500,8 +519,9 @@ def load_model_config(model: str, variant: str | None = None) -> ModelProbeConfi
         )
     raise ModelConfigNotFoundError(
         f"no probe config for model {model!r}; shipped configs: {sorted(configs)}. Pass "
-        "probe_config=... (a ModelProbeConfig or a JSON path), or make one for this model with "
-        "`guardrail calibrate --model MODEL --data pairs.jsonl --out DIR`."
+        "probe_config=... (a ModelProbeConfig or a JSON path; guardrail-serve: --probe-config "
+        "PATH), or make one for this model with `guardrail calibrate --model MODEL --data "
+        "pairs.jsonl --out DIR`."
     )
 
 

@@ -484,3 +484,40 @@ def test_the_engine_arguments_decide_the_default_config():
         combined if current_platform.is_cpu() else default
     )
     assert engine_probe_config(smol, "combined", {"enforce_eager": False}) == combined
+
+
+def test_a_config_never_calibrated_is_named_with_the_command_that_fixes_it(caplog):
+    """The published-heads files record no calibration: ``uncalibrated`` says so and what to
+    run; an engine resolving such a config logs it once at start-up (a guard, which hands the
+    resolved config to its engine, does not log it a second time); shipped SmolLM2 is
+    calibrated and silent."""
+    import logging
+
+    from guardrail.engine.install import engine_probe_config
+
+    published = resolve_config("Qwen/Qwen2-1.5B-Instruct", None)
+    note = published.uncalibrated
+    assert note is not None and "'Qwen/Qwen2-1.5B-Instruct' was never calibrated" in note
+    assert "guardrail calibrate --model MODEL --data pairs.jsonl --out DIR" in note
+    assert resolve_config("HuggingFaceTB/SmolLM2-135M-Instruct", None).uncalibrated is None
+    with caplog.at_level(logging.WARNING, logger="guardrail"):
+        engine_probe_config("Qwen/Qwen2-1.5B-Instruct", None, {"enforce_eager": True})
+        engine_probe_config("Qwen/Qwen2-1.5B-Instruct", published, {}, announce=False)
+        engine_probe_config("HuggingFaceTB/SmolLM2-135M-Instruct", None, {})
+    assert [r.getMessage() for r in caplog.records] == [f"guardrail: {note}"]
+
+
+def test_guardrail_serve_for_a_model_with_no_config_says_what_to_run_before_starting(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "guardrail.integrations.serving", str(tmp_path / "my-model")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "guardrail-serve: no probe config for model" in out.stderr
+    assert "--probe-config PATH" in out.stderr and "guardrail calibrate --model" in out.stderr
+    assert "Traceback" not in out.stderr

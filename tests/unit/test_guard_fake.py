@@ -134,3 +134,34 @@ def test_retry_is_refused_on_an_engine_that_cannot_steer(tokenizer: Any) -> None
         engine.load_steering_vector(_vector(engine))
     with pytest.raises(Exception, match="no steering vector 'fake-vec'"):
         GuardedLLM.from_engine(engine, [retry])
+
+
+def test_an_uncalibrated_config_says_so_in_every_verdict_and_a_metric(tokenizer: Any) -> None:
+    """A config that records no calibration (the published-heads files) is named as such on
+    every verdict, with the command that fixes it, and exported as 0; a calibrated one as 1,
+    with no note. Neither changes a decision."""
+    from prometheus_client import CollectorRegistry
+
+    from guardrail.metrics import GuardrailMetrics
+    from guardrail.probe.config import Calibration
+
+    calibrated = CONFIG.model_copy(
+        update={"calibration": Calibration(dataset="rows", num_examples=8, sha256="0")}
+    )
+    requests = [("Summarize.", "hello"), ("Summarize.", "attack")]
+    decided = {}
+    for config in (CONFIG, calibrated):
+        registry = CollectorRegistry()
+        engine = FakeEngine(config, tokenizer, _by_data({"attack": 0.2}))
+        guard = GuardedLLM.from_engine(engine, metrics=GuardrailMetrics(registry), model_name="m")
+        results = guard.generate(requests)
+        gauge = registry.get_sample_value("guardrail_config_calibrated", {"model_name": "m"})
+        notes = [r.verdict.uncalibrated for r in results if r.verdict is not None]
+        assert len(notes) == len(requests)
+        if config is CONFIG:
+            assert gauge == 0.0
+            assert all(n is not None and "guardrail calibrate --model" in n for n in notes)
+        else:
+            assert gauge == 1.0 and notes == [None, None]
+        decided[config is CONFIG] = [(r.verdict.action, r.verdict.focus) for r in results]  # type: ignore[union-attr]
+    assert decided[True] == decided[False]

@@ -452,11 +452,12 @@ def test_names_labels_and_no_request_data_in_the_exposition(metrics):
         )
     )
     metrics.set_thresholds([SimpleNamespace(name="closed", threshold=0.5)])
+    metrics.set_calibrated(True)
     with metrics.track_in_flight():
         text = generate_latest(metrics.registry).decode()
     assert "req-7f3a9c" not in text and "req-0000" not in text and "secret" not in text
     families = list(metrics.registry.collect())
-    assert len(families) == 11
+    assert len(families) == 12
     for family in families:
         assert family.name.startswith("guardrail_") and "guardrail_guardrail" not in family.name
         assert family.samples, f"{family.name} has no series"

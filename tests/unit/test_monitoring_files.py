@@ -93,6 +93,7 @@ def exported() -> dict[str, set[str]]:
     """Every sample name the library exports, with its label names (``le`` for buckets)."""
     metrics = GuardrailMetrics(CollectorRegistry(), model_name="m")
     metrics.set_thresholds([SimpleNamespace(name="p", threshold=0.5)])
+    metrics.set_calibrated(False)
     failed = PolicyDecision(
         policy="p", action=Action.ALLOW, failure=FailureMode.FAIL_OPEN, shadow=True, reason="x"
     )
@@ -294,6 +295,7 @@ def test_alerts_cover_block_spikes_errors_fail_open_and_latency():
     assert "guardrail_probe_errors_total" in exprs["GuardrailProbeErrors"]
     assert 'mode="fail_open", shadow="false"' in exprs["GuardrailFailOpenDecisions"]
     assert "guardrail_probe_duration_seconds_bucket" in exprs["GuardrailProbeLatencyHigh"]
+    assert "guardrail_config_calibrated == 0" in exprs["GuardrailConfigUncalibrated"]
 
 
 def promtool(*args: str) -> str:
@@ -305,7 +307,7 @@ def promtool(*args: str) -> str:
 
 @needs_promtool
 def test_promtool_parses_the_alert_rules():
-    assert "SUCCESS: 5 rules found" in promtool("check", "rules", str(ALERTS))
+    assert "SUCCESS: 6 rules found" in promtool("check", "rules", str(ALERTS))
 
 
 @needs_promtool
@@ -413,6 +415,20 @@ def test_alerts_fire_on_synthetic_series(tmp_path):
                 "description": "The probe's p99 time is 497.5ms on m. Long prompts read "
                 "many keys back from the prefix cache; check the prompt lengths and the "
                 "number of probed heads.",
+            },
+        ),
+        alert_test(
+            {'guardrail_config_calibrated{model_name="m"}': "1x10 0x10"},
+            "GuardrailConfigUncalibrated",
+            fires_at="18m",
+            quiet_at="10m",
+            labels={"severity": "warning", "model_name": "m"},
+            annotations={
+                "summary": "Guardrail config of m was never calibrated",
+                "description": "The probe config guarding m records no calibration (published "
+                "heads, untuned threshold): its block and flag decisions are not measured on "
+                "this model. Run `guardrail calibrate --model MODEL --data pairs.jsonl --out "
+                "DIR` and serve with the config it writes.",
             },
         ),
     ]

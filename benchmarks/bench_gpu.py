@@ -134,9 +134,10 @@ def run_shape(
         walls: dict[str, list[float]] = {name: [] for name in engines}
         unscored = 0
         for repeat in range(args.repeats + 1):
-            reqs = requests_of(
-                length, batch, salt=repeat * 1000 + length + batch, tokenizer=tokenizer
-            )
+            # fresh prompts for every case and round (the salt includes max_tokens: a case
+            # must not find the previous case's prompts in the prefix cache)
+            salt = repeat * 100_000 + length * 10 + batch * 1000 + max_tokens
+            reqs = requests_of(length, batch, salt=salt, tokenizer=tokenizer)
             prepared = [(r, prepare_prompt(r, tokenizer)) for r in reqs]
             order = list(engines) if repeat % 2 else list(reversed(engines))
             for name in order:

@@ -291,8 +291,12 @@ def _batch_encoder(tokenizer: Any) -> Callable[[list[str]], list[_Encoding]] | N
     lock = threading.Lock()  # the copy is shared by every caller of this tokenizer
 
     def encode_batch(texts: list[str]) -> list[_Encoding]:
-        with lock:
-            encodings = whole.encode_batch(texts, add_special_tokens=False)
+        with lock:  # one text: encoded inline, without waking the tokenizer's thread pool
+            encodings = (
+                [whole.encode(texts[0], add_special_tokens=False)]
+                if len(texts) == 1
+                else whole.encode_batch(texts, add_special_tokens=False)
+            )
         return [(e.ids, e.offsets) for e in encodings]
 
     return encode_batch

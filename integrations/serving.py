@@ -60,7 +60,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    model_validator,
+)
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from guardrail.embedded import model_or_embedded
 from guardrail.engine.install import engine_arg, engine_probe_config
@@ -78,6 +86,8 @@ from guardrail.policy.verdict import Verdict
 from guardrail.probe.prompts import GuardedPrompt, Message, Segment
 from guardrail.version import __version__
 
+from ._server_gate import DEFAULT_MAX_BODY_BYTES, RequestGate
+
 __all__ = ["ChatRequest", "CompletionRequest", "build_app", "main"]
 
 logger = logging.getLogger(__name__)
@@ -88,7 +98,7 @@ logger = logging.getLogger(__name__)
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool | None = False
+    include_usage: StrictBool | None = False
 
 
 class _Sampling(BaseModel):
@@ -105,9 +115,9 @@ class _Sampling(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
     n: int = Field(default=1, ge=1, le=1)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: _StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     user: str | None = None
 
     @model_validator(mode="after")
@@ -147,7 +157,7 @@ class _ChatMessage(BaseModel):
 
     role: str = Field(min_length=1)
     content: str | list[_Part] | None = None
-    trusted: bool | None = None
+    trusted: StrictBool | None = None  # "yes" is an error, never a trusted message
 
     def message(self) -> Message:
         if self.content is None or isinstance(self.content, str):
@@ -346,10 +356,14 @@ def build_app(
     served_model_name: str | None = None,
     registry: CollectorRegistry | None = None,
     default_max_tokens: int = 256,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The guarded server's app. ``start`` builds the guard on the server's event loop (at
     start-up; the running app holds it as ``app.state.guard``); ``registry`` is where the
-    guard's metrics are (``/metrics`` serves it)."""
+    guard's metrics are (``/metrics`` serves it). ``api_key``: the key every ``/v1`` request
+    must bring (``Authorization: Bearer``); ``max_request_bytes``: larger bodies are a 413
+    (``_server_gate.RequestGate``)."""
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -365,6 +379,7 @@ def build_app(
             guard.close()
 
     app = FastAPI(title="vllm-guardrail", lifespan=lifespan)
+    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_request_bytes)
     app.mount("/metrics", make_asgi_app(registry))
 
     @app.exception_handler(RequestValidationError)
@@ -374,6 +389,18 @@ def build_app(
             for e in exc.errors()
         )
         return _error(400, f"invalid request: {problems}", "invalid_request_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Every other 4xx/5xx FastAPI raises (a body it cannot parse: invalid UTF-8, JSON
+        nested too deep; an unknown path or method) in the OpenAI error shape."""
+        message = str(exc.detail)
+        if exc.status_code == 400:
+            message = f"invalid request: the body is not valid JSON in UTF-8 ({exc.detail})"
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        response = _error(exc.status_code, message, kind)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.get("/health")
     async def health() -> Response:
@@ -406,6 +433,14 @@ def build_app(
                 f"the model {body.model!r} does not exist; this server serves {state['model']!r}",
                 "invalid_request_error",
                 "model_not_found",
+            )
+        asked = body.max_completion_tokens or body.max_tokens
+        if asked is not None and asked >= state["max_model_len"]:
+            return _error(
+                400,
+                f"max_tokens is {asked}, but this model's maximum context length is "
+                f"{state['max_model_len']} tokens, prompt included: ask for fewer",
+                "invalid_request_error",
             )
         guard: AsyncGuardedLLM = state["guard"]
         chat = isinstance(body, ChatRequest)
@@ -516,6 +551,18 @@ def build_parser() -> Any:
         help="the model's probe config: a JSON file, or a shipped variant (e.g. combined)",
     )
     own.add_argument("--threshold", type=float, default=None, help="block at or below")
+    own.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every /v1 request, as `vllm serve "
+        "--api-key` (default: $VLLM_API_KEY; unset: no key needed)",
+    )
+    own.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies get a 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
     own.add_argument("--host", default="127.0.0.1")
     own.add_argument("--port", type=int, default=8000)
     own.add_argument("--max-tokens", type=int, default=256, help="when a request sets none")
@@ -607,6 +654,8 @@ def main(argv: list[str] | None = None) -> None:
         served_model_name=args.served_model_name,
         registry=registry,
         default_max_tokens=args.max_tokens,
+        api_key=args.api_key or None,
+        max_request_bytes=args.max_request_bytes,
     )
     # Exit handlers run last-registered first: the engine's own (a collection that frees the
     # closed engine, registered when it closes) run before this one, which then freezes what is

@@ -35,6 +35,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,10 @@ class AsyncHookedLLM:
         self.probe_heads: list[HeadKey] = []
         self._tokenizer = engine.get_tokenizer()
         self._max_model_len = engine.model_config.max_model_len
+        # Rendering and tokenizing run on one thread of their own: off the event loop (a long
+        # request must not stall other clients), one at a time (the tokenizer is not safe to
+        # share between threads).
+        self._preparer = ThreadPoolExecutor(1, thread_name_prefix="guardrail-prepare")
         self.popper = ResultPopper(self._rpc)
         self._supervisor: EngineSupervisor | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
@@ -323,7 +328,7 @@ class AsyncHookedLLM:
         Raises ``RequestError`` for an invalid request or argument (before anything runs),
         ``EngineDeadError`` or ``EngineClosedError`` when the engine cannot answer.
         """
-        prompt, params, key = self._request(
+        prompt, params, key = await self._request(
             request, sampling_params, stop_below, stop_on_probe_error, probe_key
         )
         from vllm.inputs import TokensPrompt
@@ -365,7 +370,7 @@ class AsyncHookedLLM:
             if not popped and self._engine is not None:
                 self.popper.forget(key)
 
-    def _request(
+    async def _request(
         self,
         request: RequestLike,
         sampling_params: Any,
@@ -391,7 +396,8 @@ class AsyncHookedLLM:
         if probe_key is not None and (not isinstance(probe_key, str) or not probe_key):
             raise RequestError("probe_key must be a non-empty string (or None for a fresh key)")
         key = probe_key or uuid.uuid4().hex
-        prepared = self.prepare(request)
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(self._preparer, self.prepare, request)
         try:
             spec = self.probe.spec(prepared, key, params, stop_below, stop_on_probe_error)
         except ConfigError as exc:
@@ -481,6 +487,7 @@ class AsyncHookedLLM:
         engine, self._engine = self._engine, None
         if engine is None:
             return
+        self._preparer.shutdown(wait=False, cancel_futures=True)
         if self._finalizer is not None and self._finalizer.alive:
             self._finalizer()  # _close_engine(engine, supervisor), once
         else:

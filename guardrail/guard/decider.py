@@ -68,7 +68,9 @@ class VerdictObserver(Protocol):
 
     def observe_verdict(self, verdict: Verdict, model_name: str) -> None: ...
 
-    def track_in_flight(self, n: int) -> AbstractContextManager[Any]: ...
+    def track_in_flight(
+        self, n: int, *, model_name: str | None = None
+    ) -> AbstractContextManager[Any]: ...
 
 
 class StopFacts(Protocol):
@@ -320,7 +322,7 @@ class Decider:
         """Count ``n`` requests as in flight for the ``with`` block (metrics)."""
         if self.metrics is None:
             return contextlib.nullcontext()
-        return self.metrics.track_in_flight(n)
+        return self.metrics.track_in_flight(n, model_name=self.model_name)
 
     @staticmethod
     def lost(

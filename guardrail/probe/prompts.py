@@ -228,6 +228,8 @@ class _Vocab:
     # roles of a request's messages -> (the template rendered with placeholders, the tag in them)
     skeletons: dict[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
 
+    max_token_chars: int = 0  # no token spans more characters (0: unknown, no bound)
+
     @functools.cached_property
     def is_control(self) -> np.ndarray:
         """``is_control[id]``: whether ``id`` is a control token's, for ids up to the largest
@@ -317,13 +319,31 @@ def _vocab(tokenizer: Any) -> _Vocab:
     for name, i in zip(names, ids, strict=False):
         control.setdefault(int(i), str(name))
     unk = getattr(tokenizer, "unk_token_id", None)
-    vocab = _Vocab(size, control, unk, _text_encoder(tokenizer), _batch_encoder(tokenizer))
+    vocab = _Vocab(
+        size,
+        control,
+        unk,
+        _text_encoder(tokenizer),
+        _batch_encoder(tokenizer),
+        max_token_chars=_max_token_chars(tokenizer),
+    )
     try:
         with _VOCABS_LOCK:
             _VOCABS[tokenizer] = vocab
     except TypeError:
         pass
     return vocab
+
+
+def _max_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters of text one token can cover: the longest entry of the
+    vocabulary as stored (byte-level vocabularies store one character per byte, byte-fallback
+    entries are longer than the byte they stand for: both only overestimate). 0 when the
+    tokenizer has no vocabulary to read."""
+    try:
+        return max((len(token) for token in tokenizer.get_vocab()), default=0)
+    except Exception:  # a tokenizer without get_vocab: no bound
+        return 0
 
 
 def control_token_ids(tokenizer: Any) -> frozenset[int]:
@@ -717,9 +737,20 @@ def prepare_prompts(
     """
     results: dict[int, PreparedPrompt | RequestError] = {}
     rendered: dict[int, _Rendered] = {}
+    # no token covers more than ``longest`` characters: a text twice as long as the context
+    # could hold even so is refused cheaply (nearer the limit the tokenizer counts exactly)
+    longest = _vocab(tokenizer).max_token_chars
     for i, request in enumerate(requests):
         try:
             rendered[i] = _rendered(request, tokenizer)
+            bound = None if max_tokens is None or not longest else 2 * max_tokens * longest
+            if bound is not None and len(rendered[i].text) > bound:
+                del rendered[i]
+                raise RequestError(  # cheaply, before the tokenizer spends seconds on it
+                    f"the request renders to more characters than {max_tokens} tokens "
+                    f"(max_model_len) can hold, at most {longest} characters per token: "
+                    "shorten the data"
+                )
         except RequestError as exc:
             results[i] = exc
     wholes = _encode_whole(tokenizer, [r.text for r in rendered.values()]) if rendered else []

@@ -315,14 +315,14 @@ def test_data_longer_than_any_calibration_row_is_noted_and_counted(tiny_engine: 
 class FakeMetrics:
     def __init__(self) -> None:
         self.verdicts: list[tuple[str, str]] = []
-        self.in_flight: list[int] = []
+        self.in_flight: list[tuple[int, str | None]] = []
 
     def observe_verdict(self, verdict: Verdict, model_name: str) -> None:
         self.verdicts.append((verdict.request_id, model_name))
 
     @contextlib.contextmanager
-    def track_in_flight(self, n: int) -> Iterator[None]:
-        self.in_flight.append(n)
+    def track_in_flight(self, n: int, *, model_name: str | None = None) -> Iterator[None]:
+        self.in_flight.append((n, model_name))
         yield
 
 
@@ -330,7 +330,8 @@ def test_metrics_observe_every_verdict(tiny_engine: Any) -> None:
     metrics = FakeMetrics()
     llm = guard(tiny_engine, [{"threshold": 0.0}], metrics=metrics, model_name="tiny-served")
     results = llm.generate([REQUESTS[0], "", REQUESTS[1]], sampling(1), request_ids=["x", "y", "z"])
-    assert metrics.in_flight == [3]  # every request handed to the engine, once per call
+    # every request handed to the engine, once per call, under the served model's name
+    assert metrics.in_flight == [(3, "tiny-served")]
     assert metrics.verdicts == [("x", "tiny-served"), ("z", "tiny-served")]
     assert results[1].error is not None
 

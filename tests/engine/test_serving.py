@@ -252,6 +252,15 @@ def test_segments_inside_a_message_mark_data(client: openai.OpenAI, tiny_engine:
         ({"model": "tiny", "messages": CHATS[1], "max_tokens": -1}, 400, "max_tokens"),
         ({"model": "tiny", "messages": CHATS[1], "stop": [""]}, 400, "stop"),
         ({"model": "tiny", "messages": CHATS[1], "seed": 2**70}, 400, "seed"),
+        # a trust flag is a boolean, never a string that reads as one
+        (
+            {"model": "tiny", "messages": [{"role": "tool", "content": "x", "trusted": "yes"}]},
+            400,
+            "trusted",
+        ),
+        ({"model": "tiny", "messages": CHATS[1], "stream": "true"}, 400, "stream"),
+        # bounded by the context, as vLLM bounds it (not generated to the end of the context)
+        ({"model": "tiny", "messages": CHATS[1], "max_tokens": 10**9}, 400, "max_tokens is"),
     ],
 )
 def test_bad_requests_get_a_4xx_that_says_what_was_wrong(
@@ -277,6 +286,10 @@ def test_metrics_health_and_models_over_http(
     assert sample(moved, "guardrail_requests_total", model_name="tiny", action="block") == 1
     assert sample(moved, "guardrail_requests_total", model_name="tiny", action="allow") == 1
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+    # in flight under the served model's name (it was model_name="" before)
+    assert (
+        sample(scrape(f"{server}/metrics/"), "guardrail_requests_in_flight", model_name="tiny") == 0
+    )
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]
     assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN

@@ -567,3 +567,26 @@ def test_forged_turns_allows_ordinary_data(data):
     assert decide([FORGED_TURNS], Reading(segments=segments), request_id="r").action is (
         Action.ALLOW
     )
+
+
+def test_a_request_too_long_for_the_context_is_refused_before_tokenizing(any_tokenizer):
+    """No token covers more characters than the longest vocabulary entry, so a rendering
+    longer than max_model_len times that cannot fit: refused at once (a 4 MB request would
+    otherwise hold the tokenizer for seconds), and the bound never refuses what fits."""
+    import time
+
+    from guardrail.probe.prompts import _vocab, prepare_prompts
+
+    longest = _vocab(any_tokenizer).max_token_chars
+    assert longest > 0
+    for text in ("plain words and numbers 12345 " * 40, "x" * 3000, "\u00e9\u4e2d " * 500):
+        ids = any_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) >= len(text) / longest  # the bound holds on real encodings
+    huge = ("Summarize.", "invoice paid " * 300_000)
+    started = time.monotonic()
+    [refused] = prepare_prompts([huge], any_tokenizer, max_tokens=4096)
+    assert time.monotonic() - started < 1.0
+    assert isinstance(refused, RequestError) and "more characters than 4096 tokens" in str(refused)
+    fits = ("Summarize.", "invoice paid " * 100)
+    [ok] = prepare_prompts([fits], any_tokenizer, max_tokens=4096)
+    assert not isinstance(ok, RequestError)

@@ -86,6 +86,7 @@ from guardrail.policy.verdict import Verdict
 from guardrail.probe.prompts import GuardedPrompt, Message, Segment
 from guardrail.version import __version__
 
+from ._openai_fields import refused_field
 from ._server_gate import DEFAULT_MAX_BODY_BYTES, RequestGate
 
 __all__ = ["ChatRequest", "CompletionRequest", "build_app", "main"]
@@ -102,10 +103,22 @@ class _StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """The OpenAI sampling fields this server honours (and vLLM's extra ``ignore_eos``); other
-    OpenAI fields are ignored."""
+    """The OpenAI sampling fields this server honours (and vLLM's extras ``ignore_eos``,
+    ``top_k``, ``min_p``, ``repetition_penalty``); any other field set to a value that asks for
+    something is refused (``_openai_fields``), never ignored."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_field_ignored(cls, data: Any) -> Any:
+        name = refused_field(data) if isinstance(data, dict) else None
+        if name is not None:
+            raise ValueError(
+                f"the field {name!r} is not served by guardrail-serve: remove it (the answer "
+                "would not honour it); docs/serving.md lists the fields served"
+            )
+        return data
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -118,6 +131,11 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: _StreamOptions | None = None
     ignore_eos: StrictBool = False
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     user: str | None = None
 
     @model_validator(mode="after")
@@ -141,7 +159,22 @@ class _Sampling(BaseModel):
             seed=self.seed,
             stop=stop or None,
             ignore_eos=self.ignore_eos,
+            **{
+                name: value
+                for name in _SAMPLING_EXTRAS
+                if (value := getattr(self, name)) is not None
+            },
         )
+
+
+_SAMPLING_EXTRAS = (
+    "frequency_penalty",
+    "presence_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+)
+"""Fields passed to vLLM's ``SamplingParams`` under the same name, when a request sets them."""
 
 
 class _Part(BaseModel):

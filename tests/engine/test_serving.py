@@ -261,6 +261,12 @@ def test_segments_inside_a_message_mark_data(client: openai.OpenAI, tiny_engine:
         ({"model": "tiny", "messages": CHATS[1], "stream": "true"}, 400, "stream"),
         # bounded by the context, as vLLM bounds it (not generated to the end of the context)
         ({"model": "tiny", "messages": CHATS[1], "max_tokens": 10**9}, 400, "max_tokens is"),
+        # a field the server does not serve is refused by name, never ignored
+        (
+            {"model": "tiny", "messages": CHATS[1], "response_format": {"type": "json_object"}},
+            400,
+            "'response_format' is not served",
+        ),
     ],
 )
 def test_bad_requests_get_a_4xx_that_says_what_was_wrong(

@@ -1,0 +1,111 @@
+"""Which fields of an OpenAI request the guarded server serves, and which it refuses.
+
+An application that sends ``tools`` or ``response_format: json_object`` and gets a plausible
+plain-text answer back is worse off than one that gets a 400: so no field is ignored silently.
+Every field of the OpenAI chat and completions requests is in exactly one of three sets (a test
+enumerates the ``openai`` package's request types against them):
+
+- ``SERVED``: honoured with the meaning OpenAI and ``vllm serve`` give it (vLLM's sampling
+  extras ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` too);
+- ``NO_EFFECT``: bookkeeping fields that change nothing in the answer, accepted as ``vllm
+  serve`` accepts them (``user``, ``metadata``, ``store``, ...);
+- ``REFUSED``: not served yet (tools, structured outputs, logprobs, audio, ...): a request that
+  sets one to anything but its "off" value is a 400 naming the field. A field in none of the
+  sets is refused too.
+
+Example:
+    >>> refused_field({"model": "m", "tools": [{"type": "function"}]})
+    'tools'
+    >>> refused_field({"model": "m", "tools": [], "logprobs": False, "user": "u"}) is None
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["NO_EFFECT", "REFUSED", "SERVED", "refused_field"]
+
+SERVED = frozenset(
+    {
+        "model",
+        "messages",
+        "prompt",
+        "data",  # the guardrail's own: untrusted data of a completion
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",  # 1 only
+        "stream",
+        "stream_options",
+        "frequency_penalty",
+        "presence_penalty",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+    }
+)
+NO_EFFECT = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+    }
+)
+REFUSED = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "response_format",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "audio",
+        "modalities",
+        "prediction",
+        "reasoning_effort",
+        "verbosity",
+        "web_search_options",
+        "moderation",
+        "best_of",
+        "echo",
+        "suffix",
+    }
+)
+
+_OFF: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "best_of": (1,),
+    "tool_choice": ("none",),
+    "top_logprobs": (0,),
+}
+"""Values of a refused field that ask for nothing (besides None, False, "" and empty lists and
+objects): an SDK that sends them gets the plain answer it asked for."""
+
+
+def refused_field(body: Mapping[str, Any]) -> str | None:
+    """The first field of ``body`` (a request's JSON object) this server does not serve, or
+    None. A refused field set to its "off" value (None, False, empty, ``_OFF``) is accepted."""
+    for name, value in body.items():
+        if name in SERVED or name in NO_EFFECT:
+            continue
+        if name in REFUSED and (
+            value is None or value is False or value in ("", [], {}) or value in _OFF.get(name, ())
+        ):
+            continue
+        return name
+    return None

@@ -80,7 +80,7 @@ from guardrail.errors import (
     RequestError,
 )
 from guardrail.guard.async_guarded import AsyncGuardedLLM, GuardedStreamChunk
-from guardrail.metrics.http import make_asgi_app
+from guardrail.metrics.http import make_asgi_app, merged_registry, scrape_registry
 from guardrail.metrics.recorder import GuardrailMetrics
 from guardrail.policy.verdict import Verdict
 from guardrail.probe.prompts import GuardedPrompt, Message, Segment
@@ -413,7 +413,11 @@ def build_app(
 
     app = FastAPI(title="vllm-guardrail", lifespan=lifespan)
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_request_bytes)
-    app.mount("/metrics", make_asgi_app(registry))
+    # one scrape: the guardrail's series and the process's default registry, where vLLM's
+    # own vllm:* series are (its engine records them when started with stats on)
+    app.mount(
+        "/metrics", make_asgi_app(merged_registry(scrape_registry(registry), scrape_registry()))
+    )
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -665,10 +669,15 @@ def main(argv: list[str] | None = None) -> None:
 
     try:  # before anything starts: a model with no config is told what to run, at once
         model = str(model_or_embedded(args.model))
-        engine_probe_config(model, args.probe_config, engine_kwargs, announce=False)
+        config = engine_probe_config(model, args.probe_config, engine_kwargs, announce=False)
     except GuardrailError as exc:
         print(f"guardrail-serve: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    # vLLM's own metrics on (as vllm serve has them), labelled with the name the guardrail's
+    # series carry, so dashboards join the two on model_name
+    served_name = args.served_model_name or config.model_id
+    engine_kwargs.setdefault("disable_log_stats", False)
+    engine_kwargs.setdefault("served_model_name", served_name)
     registry = CollectorRegistry()
     policies = None if args.threshold is None else [{"threshold": args.threshold}]
 
@@ -678,13 +687,13 @@ def main(argv: list[str] | None = None) -> None:
             policies,
             probe_config=args.probe_config,
             metrics=GuardrailMetrics(registry),
-            model_name=args.served_model_name,
+            model_name=served_name,
             **engine_kwargs,
         )
 
     app = build_app(
         start,
-        served_model_name=args.served_model_name,
+        served_model_name=served_name,
         registry=registry,
         default_max_tokens=args.max_tokens,
         api_key=args.api_key or None,

@@ -34,6 +34,7 @@ __all__ = [
     "MetricsServer",
     "make_asgi_app",
     "mark_process_dead",
+    "merged_registry",
     "multiprocess_dir",
     "multiprocess_registry",
     "scrape_registry",
@@ -157,6 +158,39 @@ def make_asgi_app(registry: CollectorRegistry | None = None) -> Callable[..., An
     """
     app: Callable[..., Any] = prometheus_client.make_asgi_app(registry=scrape_registry(registry))
     return app
+
+
+class _Merged:
+    """A collector yielding the families of several registries, in turn."""
+
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self._registries = registries
+
+    def collect(self) -> Any:
+        for registry in self._registries:
+            yield from registry.collect()
+
+
+def merged_registry(*registries: CollectorRegistry) -> CollectorRegistry:
+    """One registry to serve that holds every family of ``registries`` (each registry once:
+    the same one given twice is served once). The guarded server serves its guardrail metrics
+    next to the process's default registry, where vLLM's own ``vllm:*`` series are, so one
+    scrape has both, as ``vllm serve``'s has vLLM's.
+
+    Example:
+        >>> from prometheus_client import Counter
+        >>> a, b = CollectorRegistry(), CollectorRegistry()
+        >>> _ = Counter("a_total", "a", registry=a), Counter("b_total", "b", registry=b)
+        >>> sorted(f.name for f in merged_registry(a, b, a).collect())
+        ['a', 'b']
+    """
+    unique: list[CollectorRegistry] = []
+    for registry in registries:
+        if all(registry is not seen for seen in unique):
+            unique.append(registry)
+    merged = CollectorRegistry(auto_describe=False)
+    merged.register(_Merged(unique))
+    return merged
 
 
 def mark_process_dead(pid: int, path: str | os.PathLike[str] | None = None) -> None:

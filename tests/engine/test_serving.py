@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,7 +78,12 @@ def served(
     registry = CollectorRegistry()
 
     async def start() -> AsyncGuardedLLM:
-        engine = await start_async_engine(tiny_llama_dir, max_model_len=MAX_MODEL_LEN)
+        engine = await start_async_engine(  # vLLM's own metrics on, as guardrail-serve has them
+            tiny_llama_dir,
+            max_model_len=MAX_MODEL_LEN,
+            disable_log_stats=False,
+            served_model_name="tiny",
+        )
         return AsyncGuardedLLM(
             engine,
             [{"threshold": threshold}],
@@ -292,6 +298,24 @@ def test_metrics_health_and_models_over_http(
     assert sample(moved, "guardrail_requests_total", model_name="tiny", action="block") == 1
     assert sample(moved, "guardrail_requests_total", model_name="tiny", action="allow") == 1
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+    # one scrape holds vLLM's own series next to the guardrail's, joined on model_name, and
+    # Prometheus's own parser accepts it
+    text = httpx.get(f"{server}/metrics/", timeout=10).text
+    vllm_series = [line for line in text.splitlines() if line.startswith("vllm:")]
+    assert any('model_name="tiny"' in line for line in vllm_series), text[:2000]
+    assert "guardrail_requests_total" in text
+    promtool = shutil.which("promtool") or shutil.which(
+        "promtool", path=str(Path(sys.executable).parent)
+    )
+    if promtool is not None:
+        checked = subprocess.run(
+            [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+        )
+        # parses (exit 1 is a parse error); lint findings (exit 3) only on vLLM's own names,
+        # whose colon Prometheus reserves for recording rules: the guardrail's lint clean
+        assert checked.returncode in (0, 3), checked.stdout + checked.stderr
+        findings = (checked.stdout + checked.stderr).splitlines()
+        assert all(line.startswith("vllm:") for line in findings if line.strip()), findings
     # in flight under the served model's name (it was model_name="" before)
     assert (
         sample(scrape(f"{server}/metrics/"), "guardrail_requests_in_flight", model_name="tiny") == 0

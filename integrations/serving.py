@@ -51,7 +51,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -59,6 +59,7 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from guardrail.policies.files import load_policy_file
 from prometheus_client import CollectorRegistry
 from pydantic import (
     BaseModel,
@@ -82,6 +83,7 @@ from guardrail.errors import (
 from guardrail.guard.async_guarded import AsyncGuardedLLM, GuardedStreamChunk
 from guardrail.metrics.http import make_asgi_app, merged_registry, scrape_registry
 from guardrail.metrics.recorder import GuardrailMetrics
+from guardrail.policy import Policy
 from guardrail.policy.verdict import Verdict
 from guardrail.probe.prompts import GuardedPrompt, Message, Segment
 from guardrail.version import __version__
@@ -335,6 +337,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> R
 # -- the app ----------------------------------------------------------------------------------
 
 
+POLICIES_HEADER = "x-guardrail-policies"
+"""A request header naming one of the server's policy sets (``--policies FILE``, ``overrides``)."""
+
 ENGINE_EXIT_WAIT_S = 60.0
 """How long the server waits for an engine core that is already exiting on its own."""
 
@@ -391,12 +396,15 @@ def build_app(
     default_max_tokens: int = 256,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    policy_sets: Mapping[str, Sequence[Policy]] | None = None,
 ) -> FastAPI:
     """The guarded server's app. ``start`` builds the guard on the server's event loop (at
     start-up; the running app holds it as ``app.state.guard``); ``registry`` is where the
     guard's metrics are (``/metrics`` serves it). ``api_key``: the key every ``/v1`` request
     must bring (``Authorization: Bearer``); ``max_request_bytes``: larger bodies are a 413
-    (``_server_gate.RequestGate``)."""
+    (``_server_gate.RequestGate``). ``policy_sets``: named policy sets a request may pick
+    instead of the guard's own, with the header ``x-guardrail-policies: NAME``."""
+    sets = dict(policy_sets or {})
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -463,7 +471,14 @@ def build_app(
             ],
         }
 
-    async def answer(body: ChatRequest | CompletionRequest) -> Response:
+    async def answer(body: ChatRequest | CompletionRequest, policy_set: str | None) -> Response:
+        if policy_set is not None and policy_set not in sets:
+            return _error(
+                400,
+                f"x-guardrail-policies: no policy set {policy_set!r} on this server; it has "
+                f"{sorted(sets)} (guardrail-serve --policies FILE, 'overrides')",
+                "invalid_request_error",
+            )
         if body.model != state["model"]:
             return _error(
                 404,
@@ -499,7 +514,8 @@ def build_app(
             return _error(400, f"invalid sampling parameters: {exc}", "invalid_request_error")
         request_id = uuid.uuid4().hex
         form = _Answer(chat, state["model"], request_id)
-        chunks = guard.stream(request, params, request_id=request_id)
+        policies = None if policy_set is None else sets[policy_set]
+        chunks = guard.stream(request, params, policies=policies, request_id=request_id)
         try:
             first = await anext(chunks)
         except (RequestError, ConfigError) as exc:
@@ -531,11 +547,13 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        return await _unless_disconnected(request, answer(body))
+        chosen = request.headers.get(POLICIES_HEADER)
+        return await _unless_disconnected(request, answer(body, chosen))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _unless_disconnected(request, answer(body))
+        chosen = request.headers.get(POLICIES_HEADER)
+        return await _unless_disconnected(request, answer(body, chosen))
 
     return app
 
@@ -588,6 +606,15 @@ def build_parser() -> Any:
         help="the model's probe config: a JSON file, or a shipped variant (e.g. combined)",
     )
     own.add_argument("--threshold", type=float, default=None, help="block at or below")
+    own.add_argument(
+        "--policies",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the policies, as a JSON or YAML file (docs/serving.md; schema: "
+        "docs/policies.schema.json), with named sets a request picks with the header "
+        f"{POLICIES_HEADER}; instead of --threshold",
+    )
     own.add_argument(
         "--api-key",
         default=os.environ.get("VLLM_API_KEY"),
@@ -678,8 +705,21 @@ def main(argv: list[str] | None = None) -> None:
     served_name = args.served_model_name or config.model_id
     engine_kwargs.setdefault("disable_log_stats", False)
     engine_kwargs.setdefault("served_model_name", served_name)
+    policies: Sequence[Any] | None = None
+    overrides: dict[str, tuple[Policy, ...]] = {}
+    if args.threshold is not None:
+        policies = [{"threshold": args.threshold}]
+    if args.policies is not None:
+        if args.threshold is not None:
+            print("guardrail-serve: give --policies or --threshold, not both", file=sys.stderr)
+            raise SystemExit(2)
+        try:  # validated against the served model's config before anything starts
+            loaded = load_policy_file(args.policies, config.threshold)
+        except GuardrailError as exc:
+            print(f"guardrail-serve: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        policies, overrides = loaded.default, loaded.overrides
     registry = CollectorRegistry()
-    policies = None if args.threshold is None else [{"threshold": args.threshold}]
 
     async def start() -> AsyncGuardedLLM:
         return await AsyncGuardedLLM.create(
@@ -698,6 +738,7 @@ def main(argv: list[str] | None = None) -> None:
         default_max_tokens=args.max_tokens,
         api_key=args.api_key or None,
         max_request_bytes=args.max_request_bytes,
+        policy_sets=overrides,
     )
     # Exit handlers run last-registered first: the engine's own (a collection that frees the
     # closed engine, registered when it closes) run before this one, which then freezes what is

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from guardrail.guard.async_guarded import AsyncGuardedLLM
 from guardrail.metrics.recorder import GuardrailMetrics
+from guardrail.policy import load_policies
 from tests.helpers import delta, sample, scrape, start_async_engine, tiny_config
 
 MAX_TOKENS = 8
@@ -92,7 +93,14 @@ def served(
             owns_engine=True,
         )
 
-    app = build_app(start, registry=registry, default_max_tokens=MAX_TOKENS)
+    # a named set a request may pick with x-guardrail-policies: flag at the same threshold
+    flag_only = [{"name": "flag_only", "threshold": threshold, "action": "flag"}]
+    app = build_app(
+        start,
+        registry=registry,
+        default_max_tokens=MAX_TOKENS,
+        policy_sets={"flag_only": load_policies(flag_only, None)},
+    )
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -587,3 +595,20 @@ def test_ctrl_c_stops_the_command_cleanly(command_server: Any) -> None:
     assert proc.returncode == 0, output[-6000:]
     assert "Traceback" not in output and "leaked" not in output, output[-6000:]
     assert gone < 60, f"{gone:.1f} s"
+
+
+def test_a_request_picks_a_named_policy_set_by_header(
+    client: openai.OpenAI, server: str, low_and_threshold: tuple[int, float]
+) -> None:
+    """The request the default set blocks is flagged under the set it names, and answered; an
+    unknown set is a 400 naming the sets there are."""
+    low, _ = low_and_threshold
+    with pytest.raises(openai.PermissionDeniedError):
+        chat(client, low)
+    answer = chat(client, low, extra_headers={"x-guardrail-policies": "flag_only"})
+    verdict = answer.model_extra["guardrail"]
+    assert verdict["action"] == "flag" and [d["policy"] for d in verdict["decisions"]] == [
+        "flag_only"
+    ]
+    with pytest.raises(openai.BadRequestError, match="flag_only"):
+        chat(client, low, extra_headers={"x-guardrail-policies": "nope"})

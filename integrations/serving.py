@@ -90,6 +90,7 @@ from guardrail.version import __version__
 
 from ._openai_fields import refused_field
 from ._server_gate import DEFAULT_MAX_BODY_BYTES, RequestGate
+from ._server_marking import DelimitedData
 
 __all__ = ["ChatRequest", "CompletionRequest", "build_app", "main"]
 
@@ -397,13 +398,16 @@ def build_app(
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
     policy_sets: Mapping[str, Sequence[Policy]] | None = None,
+    data_marking: DelimitedData | None = None,
 ) -> FastAPI:
     """The guarded server's app. ``start`` builds the guard on the server's event loop (at
     start-up; the running app holds it as ``app.state.guard``); ``registry`` is where the
     guard's metrics are (``/metrics`` serves it). ``api_key``: the key every ``/v1`` request
     must bring (``Authorization: Bearer``); ``max_request_bytes``: larger bodies are a 413
     (``_server_gate.RequestGate``). ``policy_sets``: named policy sets a request may pick
-    instead of the guard's own, with the header ``x-guardrail-policies: NAME``."""
+    instead of the guard's own, with the header ``x-guardrail-policies: NAME``.
+    ``data_marking``: a server-side rule marking delimited text as data
+    (``_server_marking.DelimitedData``)."""
     sets = dict(policy_sets or {})
     state: dict[str, Any] = {}
 
@@ -504,6 +508,11 @@ def build_app(
                 if body.data
                 else body.prompt
             )
+            if data_marking is not None:
+                if isinstance(request, str):
+                    request = [Message(role="user", content=request)]
+                if isinstance(request, list):
+                    request = [data_marking.apply(m) for m in request]
         except ValidationError as exc:
             return _error(
                 400, f"invalid messages: {exc.errors()[0]['msg']}", "invalid_request_error"
@@ -627,6 +636,15 @@ def build_parser() -> Any:
         default=DEFAULT_MAX_BODY_BYTES,
         help=f"larger request bodies get a 413 (default {DEFAULT_MAX_BODY_BYTES})",
     )
+    own.add_argument(
+        "--data-between",
+        nargs=2,
+        metavar=("START", "END"),
+        default=None,
+        help="mark text from the first START to the last END of each message as untrusted "
+        "data (e.g. '<documents>' '</documents>' around pasted retrieval results), with no "
+        "client change; docs/serving.md says its limits",
+    )
     own.add_argument("--host", default="127.0.0.1")
     own.add_argument("--port", type=int, default=8000)
     own.add_argument("--max-tokens", type=int, default=256, help="when a request sets none")
@@ -739,6 +757,7 @@ def main(argv: list[str] | None = None) -> None:
         api_key=args.api_key or None,
         max_request_bytes=args.max_request_bytes,
         policy_sets=overrides,
+        data_marking=None if args.data_between is None else DelimitedData(*args.data_between),
     )
     # Exit handlers run last-registered first: the engine's own (a collection that frees the
     # closed engine, registered when it closes) run before this one, which then freezes what is

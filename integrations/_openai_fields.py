@@ -1,7 +1,8 @@
 """Which fields of an OpenAI request the guarded server serves, and which it refuses.
 
-An application that sends ``tools`` or ``response_format: json_object`` and gets a plausible
-plain-text answer back is worse off than one that gets a 400: so no field is ignored silently.
+An application that sends ``tools`` or ``logprobs`` and gets a plausible plain answer back,
+without tool calls or logprobs, is worse off than one that gets a 400: so no field is ignored
+silently.
 Every field of the OpenAI chat and completions requests is in exactly one of three sets (a test
 enumerates the ``openai`` package's request types against them):
 
@@ -9,7 +10,7 @@ enumerates the ``openai`` package's request types against them):
   extras ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` too);
 - ``NO_EFFECT``: bookkeeping fields that change nothing in the answer, accepted as ``vllm
   serve`` accepts them (``user``, ``metadata``, ``store``, ...);
-- ``REFUSED``: not served yet (tools, structured outputs, logprobs, audio, ...): a request that
+- ``REFUSED``: not served yet (tools, logprobs, audio, ...): a request that
   sets one to anything but its "off" value is a 400 naming the field. A field in none of the
   sets is refused too.
 
@@ -48,6 +49,7 @@ SERVED = frozenset(
         "min_p",
         "repetition_penalty",
         "ignore_eos",
+        "response_format",  # text, json_object, json_schema: vLLM's structured outputs
     }
 )
 NO_EFFECT = frozenset(
@@ -69,7 +71,6 @@ REFUSED = frozenset(
         "parallel_tool_calls",
         "functions",
         "function_call",
-        "response_format",
         "logprobs",
         "top_logprobs",
         "logit_bias",
@@ -87,7 +88,6 @@ REFUSED = frozenset(
 )
 
 _OFF: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "best_of": (1,),
     "tool_choice": ("none",),

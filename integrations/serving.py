@@ -105,6 +105,39 @@ class _StreamOptions(BaseModel):
     include_usage: StrictBool | None = False
 
 
+class _JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(default="response", min_length=1)
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class _ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``, served by
+    vLLM's structured outputs (the answer is constrained to valid JSON, or to the schema)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> _ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only then")
+        return self
+
+    def structured_outputs(self) -> Any:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        return None
+
+
 class _Sampling(BaseModel):
     """The OpenAI sampling fields this server honours (and vLLM's extras ``ignore_eos``,
     ``top_k``, ``min_p``, ``repetition_penalty``); any other field set to a value that asks for
@@ -139,6 +172,7 @@ class _Sampling(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
+    response_format: _ResponseFormat | None = None
     user: str | None = None
 
     @model_validator(mode="after")
@@ -162,6 +196,9 @@ class _Sampling(BaseModel):
             seed=self.seed,
             stop=stop or None,
             ignore_eos=self.ignore_eos,
+            structured_outputs=None
+            if self.response_format is None
+            else self.response_format.structured_outputs(),
             **{
                 name: value
                 for name in _SAMPLING_EXTRAS

@@ -279,9 +279,14 @@ def test_segments_inside_a_message_mark_data(client: openai.OpenAI, tiny_engine:
         ({"model": "tiny", "messages": CHATS[1], "max_tokens": 10**9}, 400, "max_tokens is"),
         # a field the server does not serve is refused by name, never ignored
         (
-            {"model": "tiny", "messages": CHATS[1], "response_format": {"type": "json_object"}},
+            {"model": "tiny", "messages": CHATS[1], "logprobs": True},
             400,
-            "'response_format' is not served",
+            "'logprobs' is not served",
+        ),
+        (
+            {"model": "tiny", "messages": CHATS[1], "response_format": {"type": "json_schema"}},
+            400,
+            "json_schema is required",
         ),
     ],
 )
@@ -649,3 +654,32 @@ def test_delimited_documents_are_data_without_a_client_change(
     )
     assert verdict["data_spans"] == [list(s) for s in reference.prompt.data_spans] != []
     assert verdict["scores"]["focus"] == pytest.approx(reference.probe.focus, abs=5e-6)
+
+
+def test_json_schema_mode_answers_json_that_conforms(client: openai.OpenAI) -> None:
+    """``response_format`` is served by vLLM's structured outputs: even the tiny random model's
+    answer is valid JSON conforming to the schema."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"label": {"enum": ["spam", "ham"]}},
+        "required": ["label"],
+        "additionalProperties": False,
+    }
+    answer, verdict = answer_or_block(
+        lambda: client.chat.completions.create(
+            model="tiny",
+            messages=CHATS[2],
+            max_tokens=48,
+            temperature=0,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "label", "schema": schema},
+            },
+        )
+    )
+    if answer is None:  # blocked: nothing to parse (the verdict says so)
+        assert verdict["action"] == "block"
+        return
+    assert json.loads(answer.choices[0].message.content)["label"] in ("spam", "ham")

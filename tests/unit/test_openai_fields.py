@@ -35,7 +35,6 @@ def test_the_served_fields_are_the_request_models_fields() -> None:
     ("field", "value"),
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("response_format", {"type": "json_object"}),
         ("logprobs", True),
         ("top_logprobs", 3),
         ("logit_bias", {"42": 5}),

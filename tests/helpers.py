@@ -16,6 +16,8 @@ import contextlib
 import math
 import os
 import re
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -442,3 +444,29 @@ def allow_or_block(
         probe_latency_s=0.0 if focus is None else 0.004,
         reason="test",
     )
+
+
+# -- an ASGI app on loopback ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def uvicorn_in_thread(app: Any, start_timeout: float = 30.0, **config: Any) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free loopback port from a daemon thread, for the
+    ``with`` block; yields its base URL, then stops the server and waits for the thread."""
+    import uvicorn
+
+    options = {"host": "127.0.0.1", "port": 0, "log_level": "warning", **config}
+    server = uvicorn.Server(uvicorn.Config(app, **options))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    try:
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+    assert not thread.is_alive(), "the server did not stop"

@@ -33,7 +33,14 @@ from prometheus_client import CollectorRegistry
 from guardrail.guard.async_guarded import AsyncGuardedLLM
 from guardrail.metrics.recorder import GuardrailMetrics
 from guardrail.policy import load_policies
-from tests.helpers import delta, sample, scrape, start_async_engine, tiny_config
+from tests.helpers import (
+    delta,
+    sample,
+    scrape,
+    start_async_engine,
+    tiny_config,
+    uvicorn_in_thread,
+)
 
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 4096  # the tiny Llama's whole context: room for a long generation
@@ -74,7 +81,6 @@ def served(
     tiny_llama_dir: Path, low_and_threshold: tuple[int, float]
 ) -> Iterator[tuple[str, FastAPI]]:
     """The server's base URL, and its app (``app.state.guard`` is the running guard)."""
-    import uvicorn
 
     _, threshold = low_and_threshold
     registry = CollectorRegistry()
@@ -103,18 +109,8 @@ def served(
         policy_sets={"flag_only": load_policies(flag_only, None)},
         data_marking=DelimitedData("<doc>", "</doc>"),
     )
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 600
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.1)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", app
-    server.should_exit = True
-    thread.join(timeout=60)
-    assert not thread.is_alive(), "the server did not stop"
+    with uvicorn_in_thread(app, start_timeout=600) as base:  # the engine starts in lifespan
+        yield base, app
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from guardrail.metrics.http import (
     start_metrics_server,
 )
 from guardrail.metrics.recorder import SCORE_BUCKETS, GuardrailMetrics
-from tests.helpers import allow_or_block, delta, key, parse, sample, scrape
+from tests.helpers import allow_or_block, delta, key, parse, sample, scrape, uvicorn_in_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +121,7 @@ def test_asgi_app_serves_the_registry():
 @pytest.fixture()
 def uvicorn_app_with_metrics_mounted() -> Iterator[tuple[str, GuardrailMetrics]]:
     """A Starlette app (the shape of vLLM's API server) with ``/metrics`` mounted, on loopback."""
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     starlette_apps = pytest.importorskip("starlette.applications")
     from starlette.responses import PlainTextResponse
     from starlette.routing import Mount, Route
@@ -141,21 +139,8 @@ def uvicorn_app_with_metrics_mounted() -> Iterator[tuple[str, GuardrailMetrics]]
             Mount("/metrics", app=make_asgi_app(registry)),
         ]
     )
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", metrics
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with uvicorn_in_thread(app, lifespan="off") as base:
+        yield base, metrics
 
 
 def test_asgi_app_mounted_in_a_real_server(uvicorn_app_with_metrics_mounted):

@@ -18,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tests.helpers import uvicorn_in_thread
+
 KEY = "s3cret-key"
 LIMIT = 64 * 1024
 
@@ -44,19 +46,8 @@ def _app() -> Any:
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(_app(), host="127.0.0.1", port=0, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with uvicorn_in_thread(_app(), log_level="error") as base:
+        yield base
 
 
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -183,3 +183,15 @@ def test_every_4xx_of_the_server_app_is_in_the_openai_error_shape() -> None:
         error = response.json()["error"]
         assert error["message"] and error["type"] == "invalid_request_error", response.text
     assert "not valid JSON" in responses[0].json()["error"]["message"]
+
+
+def test_the_openai_client_passes_with_its_key_and_is_refused_without(url: str) -> None:
+    """The real ``openai`` client sends the key as vLLM's server expects it: accepted with the
+    right one, ``AuthenticationError`` (401) with a wrong one."""
+    import openai
+
+    ok = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=10)
+    assert ok.get("/models", cast_to=httpx.Response).status_code == 200
+    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError, match="invalid or missing API key"):
+        wrong.get("/models", cast_to=httpx.Response)

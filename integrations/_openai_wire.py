@@ -1,0 +1,174 @@
+"""The OpenAI request bodies the guarded server accepts, as pydantic models.
+
+``ChatRequest`` (``/v1/chat/completions``) and ``CompletionRequest`` (``/v1/completions``) hold
+the sampling fields the server serves (``_openai_fields.SERVED``) and turn them into vLLM
+``SamplingParams``; any other field that asks for something is refused by name, and trust
+flags are strict booleans. Messages become the guardrail's own ``Message`` / ``Segment``.
+
+Example:
+    >>> body = {"model": "m", "messages": [{"role": "tool", "content": "doc"}], "top_k": 5}
+    >>> ChatRequest.model_validate(body).messages[0].message().segments()[0].kind
+    'data'
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+
+from guardrail.probe.prompts import Message, Segment
+
+from ._openai_fields import refused_field
+
+__all__ = ["ChatRequest", "CompletionRequest"]
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool | None = False
+
+
+class _JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(default="response", min_length=1)
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class _ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``, served by
+    vLLM's structured outputs (the answer is constrained to valid JSON, or to the schema)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> _ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only then")
+        return self
+
+    def structured_outputs(self) -> Any:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        return None
+
+
+class _Sampling(BaseModel):
+    """The OpenAI sampling fields this server honours (and vLLM's extras ``ignore_eos``,
+    ``top_k``, ``min_p``, ``repetition_penalty``); any other field set to a value that asks for
+    something is refused (``_openai_fields``), never ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_field_ignored(cls, data: Any) -> Any:
+        name = refused_field(data) if isinstance(data, dict) else None
+        if name is not None:
+            raise ValueError(
+                f"the field {name!r} is not served by guardrail-serve: remove it (the answer "
+                "would not honour it); docs/serving.md lists the fields served"
+            )
+        return data
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    stream: StrictBool = False
+    stream_options: _StreamOptions | None = None
+    ignore_eos: StrictBool = False
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    response_format: _ResponseFormat | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, default_max_tokens: int) -> Any:
+        from vllm import SamplingParams
+
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(
+            max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            stop=stop or None,
+            ignore_eos=self.ignore_eos,
+            structured_outputs=None
+            if self.response_format is None
+            else self.response_format.structured_outputs(),
+            **{
+                name: value
+                for name in _SAMPLING_EXTRAS
+                if (value := getattr(self, name)) is not None
+            },
+        )
+
+
+_SAMPLING_EXTRAS = (
+    "frequency_penalty",
+    "presence_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+)
+"""Fields passed to vLLM's ``SamplingParams`` under the same name, when a request sets them."""
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+    guardrail_kind: Literal["instruction", "data"] | None = None
+
+
+class _ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str = Field(min_length=1)
+    content: str | list[_Part] | None = None
+    trusted: StrictBool | None = None  # "yes" is an error, never a trusted message
+
+    def message(self) -> Message:
+        if self.content is None or isinstance(self.content, str):
+            return Message(role=self.role, content=self.content or "", trusted=self.trusted)
+        default = Message(role=self.role, content="", trusted=self.trusted).segments()[0].kind
+        parts = [Segment(text=p.text, kind=p.guardrail_kind or default) for p in self.content]
+        return Message(role=self.role, content=parts)
+
+
+class ChatRequest(_Sampling):
+    messages: list[_ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str = Field(min_length=1)
+    data: str | None = None

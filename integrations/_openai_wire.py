@@ -57,8 +57,7 @@ class _ResponseFormat(BaseModel):
 
         if self.type == "json_object":
             return StructuredOutputsParams(json_object=True)
-        if self.type == "json_schema":
-            assert self.json_schema is not None
+        if self.json_schema is not None:  # present exactly with type json_schema
             return StructuredOutputsParams(json=self.json_schema.schema_)
         return None
 

@@ -71,8 +71,9 @@ class RequestGate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = dict(scope.get("headers") or [])
         if self._expected is not None and str(scope.get("path", "")).startswith("/v1"):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            given = headers.get(b"authorization", b"")
             if not secrets.compare_digest(given, self._expected):
                 await send_error(
                     send,
@@ -85,15 +86,17 @@ class RequestGate:
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        await self._bounded(scope, receive, send)
+        await self._bounded(scope, receive, send, headers.get(b"content-length"))
 
-    async def _bounded(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Read the body (at most ``max_body_bytes``), then run the app on it."""
+    async def _bounded(
+        self, scope: Scope, receive: Receive, send: Send, length: bytes | None
+    ) -> None:
+        """Read the body (at most ``max_body_bytes``; ``length``: its ``Content-Length``, if
+        sent), then run the app on it."""
         too_large = (
             f"the request body is larger than this server accepts ({self.max_body_bytes} "
             "bytes; guardrail-serve --max-request-bytes)"
         )
-        length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await send_error(send, 413, too_large, "invalid_request_error", "request_too_large")
             return

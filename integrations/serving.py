@@ -618,9 +618,9 @@ def main(argv: list[str] | None = None) -> None:
 
     async def start() -> AsyncGuardedLLM:
         return await AsyncGuardedLLM.create(
-            args.model,
+            model,
             policies,
-            probe_config=args.probe_config,
+            probe_config=config,  # resolved once, above
             metrics=GuardrailMetrics(registry),
             model_name=served_name,
             **engine_kwargs,

@@ -216,7 +216,7 @@ class ProbeClient:
         error: str | None = None
         num_prompt_tokens, seconds, stopped = 0, 0.0, False
         scores: dict[HeadKey, float] = {}
-        tables: list[tuple[_HeadOrder, np.ndarray]] = []
+        config_stats: np.ndarray | None = None  # the config's heads, from a rank holding all
         for rank in per_rank:
             found = rank["results"].get(key)
             if found is None:
@@ -229,7 +229,8 @@ class ProbeClient:
             if flat is not None:  # len(ATTENTION_STATS) values per head, in the rank's order
                 order = self._order(rank["heads"])
                 table = np.array(flat, dtype=np.float64).reshape(-1, len(ATTENTION_STATS))
-                tables.append((order, table))
+                if config_stats is None and order.config_rows is not None:
+                    config_stats = table[order.config_rows]
                 per_head = [iter(flat)] * len(ATTENTION_STATS)
                 heads.update(zip(order.heads, zip(*per_head, strict=False), strict=True))
                 scores.update(zip(order.heads, focus_of(table).tolist(), strict=True))
@@ -244,13 +245,10 @@ class ProbeClient:
         elif error is None and any(lay not in hidden for lay in self.config.hidden_layers):
             error = "incomplete: some configured hidden layers were not read"
         focus = None
-        if error is None:
-            whole = next((t for o, t in tables if o.config_rows is not None), None)
-            if whole is not None:  # one rank holds every configured head: no dict per head
-                order = next(o for o, _ in tables if o.config_rows is not None)
-                focus = self.config.focus_of_stats(whole[order.config_rows], hidden)
-            else:
-                focus = self.config.focus(heads, hidden)
+        if error is None and config_stats is not None:  # from one array: no dict per head
+            focus = self.config.focus_of_stats(config_stats, hidden)
+        elif error is None:
+            focus = self.config.focus(heads, hidden)
         return ProbeResult(
             focus=focus,
             head_scores=scores,

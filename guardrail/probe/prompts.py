@@ -387,17 +387,24 @@ def _template(tokenizer: Any, messages: list[Message], contents: list[str]) -> s
     return str(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
 
 
-def _placeholders(messages: list[Message], tag: str | None = None) -> list[str] | None:
-    """One unique string per message, absent from every role and content (random hex between
-    private-use characters, which no template contains); with ``tag``, those of that tag, or
-    None if a role or content holds it."""
+def _tag_is_free(messages: list[Message], tag: str) -> bool:
+    """Whether ``tag`` appears in no role and no content of ``messages``."""
     texts = [m.role for m in messages] + [s.text for m in messages for s in m.segments()]
+    return not any(tag in text for text in texts)
+
+
+def _fresh_tag(messages: list[Message]) -> str:
+    """Random hex that appears in no role and no content of ``messages``."""
     while True:
-        fresh = tag or secrets.token_hex(8)
-        if not any(fresh in text for text in texts):
-            return [f"\ue000{fresh}.{i}\ue001" for i in range(len(messages))]
-        if tag is not None:
-            return None
+        tag = secrets.token_hex(8)
+        if _tag_is_free(messages, tag):
+            return tag
+
+
+def _placeholders(tag: str, count: int) -> list[str]:
+    """One unique string per message: ``tag`` between private-use characters, which no template
+    contains (``tag`` must be absent from every role and content: ``_tag_is_free``)."""
+    return [f"\ue000{tag}.{i}\ue001" for i in range(count)]
 
 
 def _render_skeleton(messages: list[Message], tokenizer: Any, holders: list[str]) -> str:
@@ -432,18 +439,18 @@ def _render(messages: list[Message], tokenizer: Any) -> tuple[str, list[tuple[in
     roles = tuple(m.role for m in messages)
     if roles in skeletons:  # the skeleton depends on the roles alone: rendered once for them
         skeleton, tag = skeletons[roles]
-        holders = _placeholders(messages, tag)
-        if holders is not None:
+        if _tag_is_free(messages, tag):
+            holders = _placeholders(tag, len(messages))
             try:
                 return _place(messages, tokenizer, contents, skeleton, holders)
             except RequestError:  # e.g. a template that renders today's date: render afresh
                 pass
-    holders = _placeholders(messages)
-    assert holders is not None
+    tag = _fresh_tag(messages)
+    holders = _placeholders(tag, len(messages))
     skeleton = _render_skeleton(messages, tokenizer, holders)
     rendered = _place(messages, tokenizer, contents, skeleton, holders)
     if len(skeletons) < MAX_SKELETONS:
-        skeletons[roles] = (skeleton, holders[0][1:].split(".")[0])
+        skeletons[roles] = (skeleton, tag)
     return rendered
 
 
@@ -740,17 +747,17 @@ def prepare_prompts(
     # no token covers more than ``longest`` characters: a text twice as long as the context
     # could hold even so is refused cheaply (nearer the limit the tokenizer counts exactly)
     longest = _vocab(tokenizer).max_token_chars
+    bound = None if max_tokens is None or not longest else 2 * max_tokens * longest
     for i, request in enumerate(requests):
         try:
-            rendered[i] = _rendered(request, tokenizer)
-            bound = None if max_tokens is None or not longest else 2 * max_tokens * longest
-            if bound is not None and len(rendered[i].text) > bound:
-                del rendered[i]
+            item = _rendered(request, tokenizer)
+            if bound is not None and len(item.text) > bound:
                 raise RequestError(  # cheaply, before the tokenizer spends seconds on it
                     f"the request renders to more characters than {max_tokens} tokens "
                     f"(max_model_len) can hold, at most {longest} characters per token: "
                     "shorten the data"
                 )
+            rendered[i] = item
         except RequestError as exc:
             results[i] = exc
     wholes = _encode_whole(tokenizer, [r.text for r in rendered.values()]) if rendered else []

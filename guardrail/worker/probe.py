@@ -76,16 +76,11 @@ def _no_gather(
 class Layer:
     index: int
     local_heads: torch.Tensor  # query heads of this rank to score, local indices
-    kv_heads: torch.Tensor  # the kv head each of them reads (GQA), local indices
+    kv_heads: torch.Tensor  # [h, 1] the kv head each of them reads (GQA), local indices
     global_heads: list[int]
     impl: Any
     original_forward: Any
     had_instance_forward: bool
-
-    @property
-    def kv_head_column(self) -> torch.Tensor:
-        """``kv_heads`` as [h, 1], to index (head, position) pairs."""
-        return self.kv_heads[:, None]
 
 
 @dataclass
@@ -268,7 +263,7 @@ class Probe:
         parts = []
         for lo in range(0, rows.scored, chunk):  # one pass unless the step is very large
             hi = lo + chunk
-            keys = self.gather(kv_cache, rows.head_slots[lo:hi], layer.kv_head_column)
+            keys = self.gather(kv_cache, rows.head_slots[lo:hi], layer.kv_heads)
             parts.append(
                 batched_logits(q[lo:hi], keys, float(layer.impl.scale), layer.impl.logits_soft_cap)
             )
@@ -563,7 +558,10 @@ def install_probe(
         layer = Layer(
             layer_index,
             local_heads.to(runner.device),
-            torch.div(local_heads, per_rank // local_kv, rounding_mode="floor").to(runner.device),
+            # as a column: it indexes (head, position) pairs of the key gather
+            torch.div(local_heads, per_rank // local_kv, rounding_mode="floor")[:, None].to(
+                runner.device
+            ),
             global_heads,
             module.impl,
             module.impl.forward,

@@ -1,18 +1,31 @@
 """Where a guarded generate's host time goes, by phase, next to plain vLLM (GPU machine).
 
-An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: caller, engine core and worker in
-one process) on a dummy-weight Llama shape; the guard's entry points are wrapped with timers,
-caller side (render and tokenize, enqueue, wait, result pop, result assembly) and worker side
-(dispatch, step plan, per-layer scoring, end of step, stop logits processor, pop). On a GPU the
-worker's host times are launch overhead unless a phase synchronises with the device; with
-``--sync-debug`` one guarded call runs under ``torch.cuda.set_sync_debug_mode("warn")``, which
-names every synchronising call site (vLLM's own included).
+One engine on a dummy-weight Llama shape, the guard's entry points wrapped with timers: caller
+side (render and tokenize, enqueue, wait, result pop, result assembly) and worker side (step
+plan, per-layer scoring, end of step, stop logits processor, pop; and vLLM's ``execute_model``,
+counted, so the number of engine steps per call shows). By default the engine runs as vLLM runs
+it for a user (engine core in its own process: the worker timers are installed there through
+``collective_rpc``); ``--in-process`` puts caller, engine core and worker in one process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where nothing overlaps and the phases add up.
 
-Prints, per (batch, prompt length): median wall time of guarded and plain (plain fed the same
-token ids), and the guard's per-call milliseconds in each phase (median over rounds).
+"Plain" is the same engine fed requests without a probe spec (one engine per process: vLLM's
+CUDA-graph state is global), once with the prompts' token ids and once with their text.
+
+``--variants`` runs every case under several caller settings, to separate their effects:
+``default``; ``unarmed`` (no ``stop_below``: the stop logits processor has nothing to do);
+``one-chunk`` (every request rendered before any is enqueued, instead of growing chunks);
+``tok-serial`` / ``tok-parallel`` (``TOKENIZERS_PARALLELISM`` false / true for the caller's
+batch tokenizing). On a GPU the worker's host times are launch overhead unless a phase
+synchronises with the device; with ``--sync-debug`` one guarded call runs under
+``torch.cuda.set_sync_debug_mode("warn")`` (in-process only), which names every synchronising
+call site (vLLM's own included).
+
+Prints, per (variant, batch, prompt length): median wall time of guarded and plain, and the
+per-call milliseconds in each phase (median over rounds).
 
 Usage (on the GPU machine, ../shared/gpu/README.md):
-    python benchmarks/profile_phases.py --shape 1b --cases 1x512 64x512 --rounds 7
+    python benchmarks/profile_phases.py --shape 1b --cases 1x512 64x512 --rounds 7 \
+        --variants default one-chunk tok-serial
 """
 
 from __future__ import annotations
@@ -32,10 +45,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 SPENT: dict[str, float] = defaultdict(float)
+VARIANTS = ("default", "unarmed", "one-chunk", "tok-serial", "tok-parallel")
 
 
-def timed(owner: Any, name: str, label: str) -> None:
-    """Wrap ``owner.name`` (a class or an object) so its host seconds add up under ``label``."""
+def timed(owner: Any, name: str, label: str, spent: dict[str, float]) -> None:
+    """Wrap ``owner.name`` (a class or an object) so its host seconds add up under ``label``,
+    and its calls under ``label + " (calls)"``."""
     original = getattr(owner, name)
 
     @functools.wraps(original)
@@ -44,27 +59,74 @@ def timed(owner: Any, name: str, label: str) -> None:
         try:
             return original(*args, **kwargs)
         finally:
-            SPENT[label] += time.perf_counter() - start
+            spent[label] += time.perf_counter() - start
+            spent[label + " (calls)"] += 1
 
     setattr(owner, name, wrapper)
 
 
-def instrument(engine: Any) -> None:
+def instrument_caller(engine: Any) -> None:
     from guardrail.engine.client import ProbeClient
+
+    timed(engine, "prepare_many", "caller: render + tokenize", SPENT)
+    timed(engine.llm, "enqueue", "caller: enqueue (vLLM add_request)", SPENT)
+    timed(engine.llm, "wait_for_completion", "caller: wait (engine steps)", SPENT)
+    timed(engine.llm, "collective_rpc", "caller: pop rpc", SPENT)
+    timed(ProbeClient, "result", "caller: result assembly", SPENT)
+
+
+def install_worker_timers(worker: Any) -> None:
+    """Runs in the worker's process (sent by ``collective_rpc``): wrap the probe's entry points
+    and vLLM's ``execute_model`` with timers kept on the worker object."""
     from guardrail.worker import probe as worker_probe
     from guardrail.worker.stop import ProbeStopLogitsProcessor
 
-    timed(engine, "prepare_many", "caller: render + tokenize")
-    timed(engine.llm, "enqueue", "caller: enqueue (vLLM add_request)")
-    timed(engine.llm, "wait_for_completion", "caller: wait (engine steps)")
-    timed(engine.llm, "collective_rpc", "caller: pop rpc")
-    timed(ProbeClient, "result", "caller: result assembly")
-    timed(worker_probe.Probe, "awaits_score", "worker: dispatch check")
-    timed(worker_probe.Probe, "plan", "worker: plan (every layer)")
-    timed(worker_probe.Probe, "score_layer", "worker: score_layer")
-    timed(worker_probe.Probe, "finish_step", "worker: finish_step")
-    timed(worker_probe.Probe, "pop", "worker: pop")
-    timed(ProbeStopLogitsProcessor, "apply", "worker: stop processor")
+    spent: dict[str, float] = defaultdict(float)
+    worker.guardrail_phase_seconds = spent
+    timed(worker_probe.Probe, "awaits_score", "worker: dispatch check", spent)
+    timed(worker_probe.Probe, "plan", "worker: plan (every layer)", spent)
+    timed(worker_probe.Probe, "score_layer", "worker: score_layer", spent)
+    timed(worker_probe.Probe, "finish_step", "worker: finish_step", spent)
+    timed(worker_probe.Probe, "pop", "worker: pop", spent)
+    timed(ProbeStopLogitsProcessor, "apply", "worker: stop processor", spent)
+    timed(worker, "execute_model", "worker: execute_model (vLLM step)", spent)
+
+
+def read_worker_timers(worker: Any) -> dict[str, float]:
+    """Runs in the worker's process: the timers since the last read, then cleared."""
+    spent = worker.guardrail_phase_seconds
+    out = dict(spent)
+    spent.clear()
+    return out
+
+
+def guarded_once(engine: Any, reqs: list[Any], armed: bool) -> tuple[float, int]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = engine.generate(reqs, params, stop_below=-1.0 if armed else None)
+    wall = time.perf_counter() - start
+    missing = sum(o.probe is None or o.probe.focus is None for o in outs)
+    return wall, missing
+
+
+def plain_once(llm: Any, prompts: list[Any]) -> float:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def variant_settings(variant: str) -> tuple[bool, int, str | None]:
+    """(stop armed, first chunk size, TOKENIZERS_PARALLELISM) for a variant."""
+    from guardrail.engine import hooked
+
+    first_chunk = 1 << 30 if variant == "one-chunk" else hooked.FIRST_CHUNK
+    parallel = {"tok-serial": "false", "tok-parallel": "true"}.get(variant)
+    return variant != "unarmed", first_chunk, parallel
 
 
 def main() -> None:
@@ -72,19 +134,25 @@ def main() -> None:
     parser.add_argument("--shape", default="1b", choices=["1b", "8b"])
     parser.add_argument("--cases", nargs="+", default=["1x512", "64x512"], help="BATCHxLENGTH")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--variants", nargs="+", default=["default"], choices=VARIANTS)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--in-process", action="store_true")
     parser.add_argument("--sync-debug", action="store_true")
     parser.add_argument("--model", help="a model directory instead of the dummy shape (smoke runs)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/guardrail-bench"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/phases.json")
     args = parser.parse_args()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # the worker timers travel to the engine core as a pickled function
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
-    from bench_gpu import requests_of, time_once
+    from bench_gpu import requests_of
+    from vllm.inputs import TextPrompt, TokensPrompt
 
-    from guardrail.engine import HookedLLM
+    from guardrail.engine import HookedLLM, hooked
     from guardrail.probe.prompts import prepare_prompt
     from guardrail.testing.dummy_models import build_dummy_model, dummy_probe_config
 
@@ -103,48 +171,73 @@ def main() -> None:
         "seed": 0,
     }
     guarded = HookedLLM(model, dummy_probe_config(args.shape), **engine_args)
-    # one engine per process (vLLM's CUDA-graph state is global): "plain" is the same engine's
-    # vllm.LLM fed requests without a probe spec (nothing scored; its wrappers find no rows)
     plain = guarded.llm
     tokenizer = plain.get_tokenizer()
-    instrument(guarded)
+    plain.collective_rpc(install_worker_timers)
+    instrument_caller(guarded)
+    default_chunk = hooked.FIRST_CHUNK
     rows = []
-    for batch, length in cases:
-        walls: dict[str, list[float]] = {"guarded": [], "plain": []}
-        phases: dict[str, list[float]] = defaultdict(list)
-        for salt in range(args.rounds + 2):
-            reqs = requests_of(length, batch, salt * 7919 + batch, tokenizer)
-            prepared = [(r, prepare_prompt(r, tokenizer)) for r in reqs]
-            SPENT.clear()
-            debug = args.sync_debug and salt == 1 and torch.cuda.is_available()
-            if debug:
-                torch.cuda.set_sync_debug_mode("warn")
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                wall, missing = time_once(guarded, "guarded", prepared, 1)
-            if debug:
-                torch.cuda.set_sync_debug_mode(0)
-                sites = sorted({f"{w.filename}:{w.lineno}" for w in caught})
-                print(f"sync sites, batch {batch}: {json.dumps(sites, indent=1)}", flush=True)
-            spent = dict(SPENT)
-            plain_wall, _ = time_once(plain, "plain_text", prepared, 1)  # own cache salt
-            if salt < 2 or missing:
-                continue
-            walls["guarded"].append(wall)
-            walls["plain"].append(plain_wall)
-            for label, seconds in spent.items():
-                phases[label].append(seconds)
-        row = {
-            "batch": batch,
-            "prompt_tokens": len(prepared[0][1].token_ids),
-            "guarded_ms": round(1e3 * statistics.median(walls["guarded"]), 2),
-            "plain_ms": round(1e3 * statistics.median(walls["plain"]), 2),
-            "phases_ms": {k: round(1e3 * statistics.median(v), 3) for k, v in phases.items()},
-        }
-        print(json.dumps(row, indent=1), flush=True)
-        rows.append(row)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    for variant in args.variants:
+        armed, hooked.FIRST_CHUNK, parallel = variant_settings(variant)
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        if parallel is not None:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallel
+        for batch, length in cases:
+            walls: dict[str, list[float]] = defaultdict(list)
+            phases: dict[str, list[float]] = defaultdict(list)
+            for salt in range(args.rounds + 2):
+                reqs = requests_of(length, batch, salt * 7919 + batch + 31 * len(rows), tokenizer)
+                prepared = [prepare_prompt(r, tokenizer) for r in reqs]
+                plain.collective_rpc(read_worker_timers)
+                SPENT.clear()
+                debug = args.sync_debug and args.in_process and salt == 1
+                if debug and torch.cuda.is_available():
+                    torch.cuda.set_sync_debug_mode("warn")
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    wall, missing = guarded_once(guarded, reqs, armed)
+                if debug and torch.cuda.is_available():
+                    torch.cuda.set_sync_debug_mode(0)
+                    sites = sorted({f"{w.filename}:{w.lineno}" for w in caught})
+                    print(f"sync sites, batch {batch}: {json.dumps(sites, indent=1)}", flush=True)
+                spent = dict(SPENT)  # before the timer read below (itself an rpc)
+                spent.update(plain.collective_rpc(read_worker_timers)[0])
+                ids = [TokensPrompt(prompt_token_ids=p.token_ids) for p in prepared]
+                texts = [TextPrompt(prompt=p.text, cache_salt="text") for p in prepared]
+                plain_wall = plain_once(plain, ids)
+                plain_steps = plain.collective_rpc(read_worker_timers)[0]
+                text_wall = plain_once(plain, texts)
+                if salt < 2 or missing:
+                    continue
+                walls["guarded"].append(wall)
+                walls["plain"].append(plain_wall)
+                walls["plain_text"].append(text_wall)
+                for label, seconds in spent.items():
+                    phases[label].append(seconds)
+                for label, seconds in plain_steps.items():
+                    if "execute_model" in label:
+                        phases[label.replace("worker:", "plain:")].append(seconds)
+            row: dict[str, Any] = {
+                "variant": variant,
+                "multiprocess": not args.in_process,
+                "batch": batch,
+                "prompt_tokens": len(prepared[0].token_ids),
+                **{f"{k}_ms": round(1e3 * statistics.median(v), 2) for k, v in walls.items()},
+                "phases_ms": {
+                    k: round(statistics.median(v) * (1 if "(calls)" in k else 1e3), 3)
+                    for k, v in sorted(phases.items())
+                },
+            }
+            print(json.dumps(row, indent=1), flush=True)
+            rows.append(row)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        hooked.FIRST_CHUNK = default_chunk
+        if parallel is not None:
+            if saved is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
     guarded.close()
 
 

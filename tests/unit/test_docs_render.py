@@ -1,4 +1,4 @@
-"""README.md and docs/*.md render and point at things that exist.
+"""README.md, THIRD_PARTY_NOTICES.md and docs/*.md render and point at things that exist.
 
 - Every markdown table has a delimiter row, and every row has as many cells as its header (a
   row with one cell too many is silently dropped or shifted by GitHub's renderer).
@@ -6,6 +6,8 @@
 - Every repository path written in backticks (``model_configs/...json``, ``benchmarks/...``,
   ``docs/...``, ...) names a file that exists: a config, script or data file a doc names and
   the repository lacks is a doc that lies.
+- Every ``model_configs/<file>`` a doc names anywhere, code blocks included, exists: a command
+  that reads a config the repository no longer ships fails for whoever copies it.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "THIRD_PARTY_NOTICES.md",
+    *sorted((ROOT / "docs").rglob("*.md")),
+]
 DELIMITER = re.compile(r"\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 REPO_PATH = re.compile(
     r"`((?:model_configs|benchmarks|docs|guardrail|tests|scripts|examples|integrations|policies"
     r"|monitoring|licenses)/[A-Za-z0-9_./-]*\.[a-z]+)`"
 )
+MODEL_CONFIG_FILE = re.compile(r"\bmodel_configs/[A-Za-z0-9_.-]+\.(?:json|safetensors)\b")
 
 
 def cell_count(line: str) -> int:
@@ -75,3 +82,15 @@ def test_every_relative_link_and_named_path_exists(doc: Path) -> None:
     missing = [t for t in links if not (doc.parent / t).exists()]
     missing += [p for p in REPO_PATH.findall(text) if not (ROOT / p).exists()]
     assert missing == []
+
+
+def test_model_config_paths_are_found_in_code_blocks_too() -> None:
+    text = "run `x`\n```bash\nguardrail evaluate --config model_configs/Gone.json \\\n```\n"
+    assert MODEL_CONFIG_FILE.findall(text) == ["model_configs/Gone.json"]
+    assert MODEL_CONFIG_FILE.findall("--out model_configs --name x") == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_named_model_config_file_exists(doc: Path) -> None:
+    named = sorted(set(MODEL_CONFIG_FILE.findall(doc.read_text())))
+    assert [p for p in named if not (ROOT / p).is_file()] == []

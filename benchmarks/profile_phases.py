@@ -145,7 +145,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # the worker timers travel to the engine core as a pickled function
+    # the worker timers travel to the engine core as a pickled function; with this set, vLLM
+    # also types every element of a utility call's result (the guard's pop is built for that)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
@@ -202,7 +203,11 @@ def main() -> None:
                     print(f"sync sites, batch {batch}: {json.dumps(sites, indent=1)}", flush=True)
                 spent = dict(SPENT)  # before the timer read below (itself an rpc)
                 spent.update(plain.collective_rpc(read_worker_timers)[0])
-                ids = [TokensPrompt(prompt_token_ids=p.token_ids) for p in prepared]
+                # each plain arm has its own cache salt: the guarded arm just prefilled the same
+                # ids, and a plain arm that found them cached would do a fraction of the work
+                ids = [
+                    TokensPrompt(prompt_token_ids=p.token_ids, cache_salt="ids") for p in prepared
+                ]
                 texts = [TextPrompt(prompt=p.text, cache_salt="text") for p in prepared]
                 plain_wall = plain_once(plain, ids)
                 plain_steps = plain.collective_rpc(read_worker_timers)[0]

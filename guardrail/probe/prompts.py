@@ -32,11 +32,13 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import os
 import re
 import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -283,25 +285,52 @@ def _text_encoder(tokenizer: Any) -> Callable[[str], _Encoding]:
 
 
 def _batch_encoder(tokenizer: Any) -> Callable[[list[str]], list[_Encoding]] | None:
-    """The usual encoding of many texts in one call of a private copy of a fast tokenizer's
-    backend: what ``tokenizer(texts, add_special_tokens=False)`` computes, without its
-    per-token Python conversion. None for a tokenizer without such a backend."""
+    """The usual encoding of many texts by a private copy of a fast tokenizer's backend: what
+    ``tokenizer(texts, add_special_tokens=False)`` computes, without its per-token Python
+    conversion. None for a tokenizer without such a backend.
+
+    A batch is encoded by a few threads of this module's own (``ENCODE_THREADS``; the backend
+    releases the GIL while it encodes), never by the tokenizer's batch call, whose thread pool
+    takes every core of the machine: next to a vLLM engine core that needs one to keep the GPU
+    fed, that cost more than it saved (measured on the H200, docs/gpu.md)."""
     # special tokens recognised: the template's markup must yield its control tokens
     whole = _private_backend(tokenizer, encode_special_tokens=False)
     if whole is None:
         return None
-    lock = threading.Lock()  # the copy is shared by every caller of this tokenizer
+    encode = functools.partial(whole.encode, add_special_tokens=False)
 
     def encode_batch(texts: list[str]) -> list[_Encoding]:
-        with lock:  # one text: encoded inline, without waking the tokenizer's thread pool
-            encodings = (
-                [whole.encode(texts[0], add_special_tokens=False)]
-                if len(texts) == 1
-                else whole.encode_batch(texts, add_special_tokens=False)
-            )
+        pool = _encode_pool() if len(texts) >= MIN_THREADED_BATCH else None
+        encodings = list(map(encode, texts) if pool is None else pool.map(encode, texts))
         return [(e.ids, e.offsets) for e in encodings]
 
     return encode_batch
+
+
+def _encode_threads() -> int:
+    """How many threads encode a batch: a quarter of the cores, at most 4; 1 (the caller's own
+    thread) when ``TOKENIZERS_PARALLELISM`` says false, as for the tokenizer's own pool."""
+    if os.environ.get("TOKENIZERS_PARALLELISM", "").strip().lower() in ("0", "false", "off", "no"):
+        return 1
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+ENCODE_THREADS = _encode_threads()
+"""Threads that encode a batch of rendered requests (``_batch_encoder``), fixed at import."""
+MIN_THREADED_BATCH = 8
+"""A batch smaller than this is encoded in the caller's thread."""
+_POOL: list[ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _encode_pool() -> ThreadPoolExecutor | None:
+    """The shared encoding threads (None when ``ENCODE_THREADS`` is 1), started on first use."""
+    if ENCODE_THREADS <= 1:
+        return None
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="guardrail-encode"))
+        return _POOL[0]
 
 
 def _vocab(tokenizer: Any) -> _Vocab:

@@ -436,9 +436,13 @@ def test_too_long_for_the_context(tokenizer):
         prepare_prompt(("Summarize.", "word " * 100), tokenizer, max_tokens=32)
 
 
-def test_a_batch_is_prepared_exactly_as_each_request_alone(any_tokenizer):
-    """One tokenizer call for the batch gives each request the ids, spans and error it gets
-    alone, including the content that must be tokenized again as text and the refusals."""
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_batch_is_prepared_exactly_as_each_request_alone(any_tokenizer, threads, monkeypatch):
+    """A batch gives each request the ids, spans and error it gets alone, including the content
+    that must be tokenized again as text and the refusals; encoded in the caller's thread or by
+    a pool of encoding threads alike."""
+    monkeypatch.setattr(prompts, "ENCODE_THREADS", threads)
+    monkeypatch.setattr(prompts, "_POOL", [])
     control = sorted(control_token_ids(any_tokenizer))[0]
     forged = f"ok {any_tokenizer.convert_ids_to_tokens(control)} then"
     batch: list[Any] = [
@@ -448,7 +452,7 @@ def test_a_batch_is_prepared_exactly_as_each_request_alone(any_tokenizer):
         "plain question",
         ("Summarize.", "word " * 100),
         [{"role": "system", "content": "Be brief."}, {"role": "tool", "content": "42 C"}],
-    ]
+    ] * 2  # over MIN_THREADED_BATCH: the threaded path runs
     got = prepare_prompts(batch, any_tokenizer, max_tokens=64)
     assert len(got) == len(batch)
     for request, entry in zip(batch, got, strict=True):
@@ -460,7 +464,9 @@ def test_a_batch_is_prepared_exactly_as_each_request_alone(any_tokenizer):
             assert isinstance(entry, RequestError) and str(entry) == str(alone)
         else:
             assert entry == alone
-    assert [isinstance(e, RequestError) for e in got] == [False, True, False, False, True, False]
+    refused = [False, True, False, False, True, False] * 2
+    assert [isinstance(e, RequestError) for e in got] == refused
+    assert len(prompts._POOL) == (threads > 1)
 
 
 # --- 4. errors never quote the request ---------------------------------------------------------

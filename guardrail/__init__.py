@@ -1,7 +1,10 @@
 """In-model prompt-injection guardrails for LLM applications served with vLLM.
 
 The probe reads attention inside the serving model during the request's own prefill (Attention
-Tracker), so a guarded request costs almost nothing more than an unguarded one.
+Tracker): no second model and no extra forward pass.
+
+Importing the package imports neither torch nor vLLM: the names that need them are imported when
+first used, so ``guardrail-serve --help`` answers at once.
 
 Example:
     >>> from guardrail import HookedLLM  # doctest: +SKIP
@@ -25,14 +28,6 @@ from guardrail.errors import (
     PromptInjectionBlocked,
     RequestError,
 )
-from guardrail.policy.verdict import Action, FailureMode, PolicyDecision, Verdict
-from guardrail.probe.config import (
-    Calibration,
-    ModelProbeConfig,
-    load_model_config,
-    read_model_config,
-)
-from guardrail.probe.prompts import GuardedPrompt, Message, PreparedPrompt, Segment, prepare_prompt
 from guardrail.version import __version__
 
 if TYPE_CHECKING:
@@ -40,6 +35,20 @@ if TYPE_CHECKING:
     from guardrail.guard.guarded import GuardedLLM, GuardedResult
     from guardrail.metrics.recorder import GuardrailMetrics
     from guardrail.policy import DataPatternPolicy, PromptInjectionPolicy, Reading, load_policy
+    from guardrail.policy.verdict import Action, FailureMode, PolicyDecision, Verdict
+    from guardrail.probe.config import (
+        Calibration,
+        ModelProbeConfig,
+        load_model_config,
+        read_model_config,
+    )
+    from guardrail.probe.prompts import (
+        GuardedPrompt,
+        Message,
+        PreparedPrompt,
+        Segment,
+        prepare_prompt,
+    )
 
 __all__ = [
     "Action",
@@ -89,13 +98,29 @@ _LAZY = {
     "Reading": "guardrail.policy",
     "load_policy": "guardrail.policy",
     "GuardrailMetrics": "guardrail.metrics",
+    # the probe's score math imports torch
+    "Action": "guardrail.policy.verdict",
+    "FailureMode": "guardrail.policy.verdict",
+    "PolicyDecision": "guardrail.policy.verdict",
+    "Verdict": "guardrail.policy.verdict",
+    "Calibration": "guardrail.probe.config",
+    "ModelProbeConfig": "guardrail.probe.config",
+    "load_model_config": "guardrail.probe.config",
+    "read_model_config": "guardrail.probe.config",
+    "GuardedPrompt": "guardrail.probe.prompts",
+    "Message": "guardrail.probe.prompts",
+    "PreparedPrompt": "guardrail.probe.prompts",
+    "Segment": "guardrail.probe.prompts",
+    "prepare_prompt": "guardrail.probe.prompts",
 }
 
 
 def __getattr__(name: str) -> Any:
-    # The engine module pulls in vLLM only when used: importing the package stays cheap.
+    # torch and vLLM are imported with the first name that needs them, then the name is kept
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'guardrail' has no attribute {name!r}")

@@ -65,7 +65,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from guardrail.embedded import model_or_embedded
-from guardrail.engine.install import engine_arg, engine_probe_config
+from guardrail.engine.install import engine_probe_config
 from guardrail.errors import (
     ConfigError,
     EngineClosedError,
@@ -79,9 +79,9 @@ from guardrail.metrics.recorder import GuardrailMetrics
 from guardrail.policy import Policy
 from guardrail.policy.verdict import Verdict
 from guardrail.probe.prompts import GuardedPrompt, Message
-from guardrail.version import __version__
 
 from ._openai_wire import ChatRequest, CompletionRequest
+from ._serve_args import build_parser
 from ._server_gate import DEFAULT_MAX_BODY_BYTES, RequestGate
 from ._server_marking import DelimitedData
 
@@ -462,81 +462,6 @@ async def _sse(
 
 
 # -- the command ------------------------------------------------------------------------------
-
-
-def build_parser() -> Any:
-    """``guardrail-serve``'s parser: its own options and vLLM's engine flags, added by vLLM's
-    own ``AsyncEngineArgs.add_cli_args`` on vLLM's ``FlexibleArgumentParser`` (so
-    ``--max-model-len 4096``, ``--max_model_len=4096``, ``-tp 2``, ``--compilation-config.mode 0``
-    and ``--config FILE.yaml`` work as with ``vllm serve``). Imports vLLM."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(
-        prog="guardrail-serve",
-        description="The guarded OpenAI-compatible server on one model: guardrail-serve "
-        "[MODEL] [options]; the engine takes the flags of `vllm serve`.",
-    )
-    parser.add_argument(
-        "model_tag",
-        nargs="?",
-        default=None,
-        help="model path or hub id, as in `vllm serve MODEL` (or --model; default: the embedded "
-        "SmolLM2-135M-Instruct)",
-    )
-    own = parser.add_argument_group("guardrail-serve")
-    own.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    own.add_argument(
-        "--probe-config",
-        default=None,
-        help="the model's probe config: a JSON file, or a shipped variant (e.g. combined)",
-    )
-    own.add_argument("--threshold", type=float, default=None, help="block at or below")
-    own.add_argument(
-        "--policies",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="the policies, as a JSON or YAML file (docs/serving.md; schema: "
-        "docs/policies.schema.json), with named sets a request picks with the header "
-        f"{POLICIES_HEADER}; instead of --threshold",
-    )
-    own.add_argument(
-        "--api-key",
-        default=os.environ.get("VLLM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every /v1 request, as `vllm serve "
-        "--api-key` (default: $VLLM_API_KEY; unset: no key needed)",
-    )
-    own.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help=f"larger request bodies get a 413 (default {DEFAULT_MAX_BODY_BYTES})",
-    )
-    own.add_argument(
-        "--data-between",
-        nargs=2,
-        metavar=("START", "END"),
-        default=None,
-        help="mark text from the first START to the last END of each message as untrusted "
-        "data (e.g. '<documents>' '</documents>' around pasted retrieval results), with no "
-        "client change; docs/serving.md says its limits",
-    )
-    own.add_argument("--host", default="127.0.0.1")
-    own.add_argument("--port", type=int, default=8000)
-    own.add_argument("--max-tokens", type=int, default=256, help="when a request sets none")
-    own.add_argument("--verbose", action="store_true", help="show vLLM's logs")
-    own.add_argument(
-        "--engine-arg",
-        type=engine_arg,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="deprecated: pass vLLM's own flag instead (--engine-arg max_model_len=4096 is "
-        "--max-model-len 4096)",
-    )
-    AsyncEngineArgs.add_cli_args(parser)
-    return parser
 
 
 def parse_command(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, Any]]:

@@ -6,7 +6,7 @@ own module here (``calibrate``, ``evaluate``, ``threshold``, ``rows``); what the
 arguments, the engine, scoring through the score cache) is in ``common``.
 
     guardrail check --engine-arg enforce_eager=false                   # what an engine runs
-    guardrail calibrate --data pairs.jsonl --out model_configs/        # embedded SmolLM2
+    guardrail calibrate --data pairs.jsonl --out my_configs/           # embedded SmolLM2
     guardrail evaluate --config model_configs/X.json --data pairs.jsonl --out-dir results/
     guardrail threshold --config model_configs/X.json --data my_clean.jsonl --out mine.json
 
@@ -26,7 +26,7 @@ from typing import Any
 from guardrail.cli import calibrate, check, evaluate, rows, threshold
 from guardrail.cli.common import score_pairs, scores_for
 from guardrail.cli.evaluate import load_detectors
-from guardrail.console import quiet_engine_logs
+from guardrail.console import HelpFormatter, quiet_engine_logs
 from guardrail.errors import GuardrailError
 from guardrail.offline.steering_build import configure_steer, run_steer
 
@@ -76,11 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-parser per registered subcommand."""
     from guardrail.version import __version__
 
-    parser = argparse.ArgumentParser(prog="guardrail", description=_description())
+    parser = argparse.ArgumentParser(
+        prog="guardrail", description=_description(), formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in SUBCOMMANDS.values():
-        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        sub = subparsers.add_parser(
+            command.name,
+            help=command.help,
+            description=command.help,
+            formatter_class=HelpFormatter,
+        )
         sub.add_argument("--verbose", action="store_true", help="show vLLM's own logs too")
         command.configure(sub)
     return parser

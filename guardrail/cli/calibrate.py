@@ -35,7 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exclude-split",
         type=Path,
-        help="split file (guardrail split): leave its held-out groups out",
+        help="split file (guardrail split): leave its held-out groups out (default: none, "
+        "every row may be used)",
     )
     parser.add_argument(
         "--twins-per-row",
@@ -59,8 +60,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "attention_stats: five stats per head, higher AUROC on rows like the calibration rows "
         "but it transferred worse to other prompt formats, see docs/detection-attention-only.md)",
     )
-    parser.add_argument("--threshold-rule", choices=["fpr", "midpoint"], default="fpr")
-    parser.add_argument("--target-fpr", type=float, default=0.01)
+    parser.add_argument(
+        "--threshold-rule",
+        choices=["fpr", "midpoint"],
+        default="fpr",
+        help="where the threshold goes: fpr (the focus that flags --target-fpr of the clean "
+        "rows) or midpoint (halfway between the clean and injected rows' mean focus)",
+    )
+    parser.add_argument(
+        "--target-fpr",
+        type=float,
+        default=0.01,
+        help="share of the clean rows the fpr threshold may flag",
+    )
     parser.add_argument("--max-layers", type=int, default=6, help="largest layer budget swept")
     parser.add_argument(
         "--layers",
@@ -71,7 +83,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(the sweep's step with that many; the report lists them all)",
     )
     parser.add_argument("--folds", type=int, default=5, help="cross-validation folds (by group)")
-    parser.add_argument("--report", type=Path, help="write the full calibration report (JSON)")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        help="write the full calibration report (JSON) here (default: none, only the config)",
+    )
 
 
 def _layer_budget(text: str) -> int | str:

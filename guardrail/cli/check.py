@@ -31,7 +31,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_engine_arg(parser)
     parser.add_argument("--json", action="store_true", help="print the facts as JSON")
     parser.add_argument(
-        "--out", type=Path, default=None, help="also write the facts to this JSON file"
+        "--out",
+        type=Path,
+        default=None,
+        help="also write the facts to this JSON file (default: print them only)",
     )
 
 

@@ -25,6 +25,7 @@ from guardrail.offline.datasets import (
     sample_groups,
 )
 from guardrail.offline.layouts import request_for
+from guardrail.offline.row_schema import rows_help
 from guardrail.probe.config import HiddenPosition, ModelProbeConfig
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey
 
@@ -39,55 +40,69 @@ def add_engine_arg(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a vLLM engine argument as HookedLLM takes it (repeat): tensor_parallel_size=2, "
-        "gpu_memory_utilization=0.8, attention_backend=FLASH_ATTN, dtype=bfloat16, ...",
+        "gpu_memory_utilization=0.8, attention_backend=FLASH_ATTN, dtype=bfloat16, ... "
+        "(default: none; on CPU the library fills in float32, eager mode and a KV cache size)",
     )
+
+
+def add_data_argument(parser: argparse.ArgumentParser, help: str = "JSONL files of rows") -> None:
+    """``--data`` (one or more JSONL files) and, as the parser's epilog, the rows' format."""
+    parser.add_argument(
+        "--data", nargs="+", required=True, type=Path, help=f"{help} (format: below)"
+    )
+    parser.epilog = rows_help()
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments every command that scores rows shares: model, data, engine sizes, cache."""
     parser.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument(
-        "--data",
-        nargs="+",
-        required=True,
-        type=Path,
-        help="JSONL files of {instruction, data, label, ...} rows",
-    )
+    add_data_argument(parser)
     parser.add_argument(
         "--max-groups-per-task",
         type=int,
         default=None,
-        help="subsample: keep at most this many source contexts per task",
+        help="subsample: keep at most this many source contexts per task (default: all)",
     )
     parser.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=None,
-        help="skip rows whose prompt is longer (reported in the output)",
+        help="skip rows whose prompt is longer, and report them (default: only rows that do "
+        "not fit --max-model-len are skipped)",
     )
     parser.add_argument(
         "--scores-cache",
         type=Path,
         default=None,
-        help=".npz file of per-head scores to reuse and extend",
+        help=".npz file of per-head scores to reuse and extend (default: none, every row is "
+        "scored by the model)",
     )
     parser.add_argument("--batch-size", type=int, default=32, help="rows per engine call")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--max-model-len", type=int, default=4096, help="vLLM's max_model_len: the longest prompt"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=4096,
+        help="vLLM's max_num_batched_tokens: tokens per engine step",
+    )
     parser.add_argument(
         "--dtype",
         default=None,
         help="vLLM's dtype (default: float32 on CPU, where the shipped configs were "
         "calibrated; the model's own dtype on a GPU)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the subsampling, generated twins and engine"
+    )
     parser.add_argument(
         "--hidden-layers",
         type=int,
         nargs="*",
         default=[],
         help="decoder layers whose residual stream at the last prompt token is read too "
-        "(calibrate: the combined probe reads attention and these layers)",
+        "(calibrate: the combined probe reads attention and these layers) (default: none)",
     )
     parser.add_argument(
         "--data-mean-layers",
@@ -95,7 +110,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         default=[],
         help="decoder layers whose residual stream averaged over the data tokens is read too "
-        "(calibrate: the combined probe reads these as well)",
+        "(calibrate: the combined probe reads these as well) (default: none)",
     )
     add_engine_arg(parser)
 

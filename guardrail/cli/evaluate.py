@@ -42,14 +42,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="model config JSON files, or calibration reports (calibrate "
         "--report) to compare both probe kinds and the layer sweep",
     )
-    parser.add_argument("--split", type=Path, help="split file: evaluate its held-out groups only")
-    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument(
+        "--split",
+        type=Path,
+        help="split file: evaluate its held-out groups only (default: every row)",
+    )
+    parser.add_argument(
+        "--out-dir", type=Path, required=True, help="where NAME.json and NAME.md are written"
+    )
     parser.add_argument("--name", default="detection", help="stem of the JSON and markdown files")
     parser.add_argument("--plot-dir", type=Path, help="where the PNGs go (default: --out-dir)")
     parser.add_argument(
         "--plot-stem", help="PNGs are roc_STEM.png, layers_STEM.png (default: --name)"
     )
-    parser.add_argument("--title", default="Prompt-injection detection")
+    parser.add_argument("--title", default="Prompt-injection detection", help="title of the plots")
 
 
 def load_detectors(

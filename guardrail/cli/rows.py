@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from guardrail.cli.common import add_data_argument
 from guardrail.offline.datasets import (
     load_pairs,
     short_crops,
@@ -16,12 +17,15 @@ from guardrail.offline.datasets import (
 
 
 def configure_split(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", nargs="+", required=True, type=Path)
+    add_data_argument(parser, "JSONL files of rows to split by source context")
     parser.add_argument("--held-out", type=float, default=0.4, help="fraction of groups per task")
     parser.add_argument(
-        "--max-held-out-groups", type=int, default=None, help="cap on held-out groups per task"
+        "--max-held-out-groups",
+        type=int,
+        default=None,
+        help="cap on held-out groups per task (default: no cap)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random split")
     parser.add_argument("--out", type=Path, required=True, help="split file to write (JSON)")
 
 
@@ -41,10 +45,10 @@ def run_split(args: argparse.Namespace, engine: Any) -> int:
 
 
 def configure_crop(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", nargs="+", required=True, type=Path)
-    parser.add_argument("--min-chars", type=int, default=60)
-    parser.add_argument("--max-chars", type=int, default=400)
-    parser.add_argument("--seed", type=int, default=0)
+    add_data_argument(parser, "JSONL files of labelled rows to crop")
+    parser.add_argument("--min-chars", type=int, default=60, help="shortest crop, in characters")
+    parser.add_argument("--max-chars", type=int, default=400, help="longest crop, in characters")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the crop lengths")
     parser.add_argument("--suffix", default="short", help="appended to row ids: id~SUFFIX")
     parser.add_argument("--out", type=Path, required=True, help="JSONL file to write")
 

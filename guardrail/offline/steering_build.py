@@ -34,8 +34,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from guardrail.console import HelpFormatter
 from guardrail.errors import ConfigError
 from guardrail.offline.datasets import INJECTION_TEMPLATES, LabelledPair, insert_at, load_pairs
+from guardrail.offline.row_schema import rows_help
 from guardrail.probe.prompts import RequestLike
 from guardrail.steering import (
     SteeringBuildInfo,
@@ -320,23 +322,61 @@ def _layers(text: str) -> list[int]:
 
 def configure_steer(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``guardrail steer`` (one action for now: ``build``)."""
-    actions = parser.add_subparsers(dest="steer_action", required=True)
-    build = actions.add_parser("build", help="compute a steering vector and write its file")
-    build.add_argument("--data", nargs="+", required=True, type=Path, help="JSONL rows")
+    actions = parser.add_subparsers(dest="steer_action", required=True, metavar="ACTION")
+    build = actions.add_parser(
+        "build",
+        help="compute a steering vector and write its file",
+        description="Compute a steering vector from clean rows and write its file.",
+        formatter_class=HelpFormatter,
+        epilog=rows_help(
+            (("ideal", "reference answer to the instruction (or --bipia-raw); clean rows only"),)
+        ),
+    )
+    build.add_argument(
+        "--data", nargs="+", required=True, type=Path, help="JSONL files of rows (format: below)"
+    )
     build.add_argument("--out", required=True, type=Path, help="directory for the .steer file")
     build.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M)")
     build.add_argument("--model-id", help="model id recorded in the file (default: derived)")
     build.add_argument("--name", help="vector name (default: last part of the model id)")
-    build.add_argument("--bipia-raw", type=Path, help="BIPIA raw/ dir: reference answers")
-    build.add_argument("--exclude-split", type=Path, help="split file whose groups stay out")
-    build.add_argument("--layers", type=_layers, help="candidates, e.g. 6:27:3 (default: L/5..)")
-    build.add_argument("--method", choices=["adjust_rs", "add_vector"], default="adjust_rs")
-    build.add_argument("--coefficient", type=float, default=1.0)
-    build.add_argument("--max-data-chars", type=int, default=1200)
-    build.add_argument("--train-per-task", type=int, default=16)
-    build.add_argument("--validation-per-task", type=int, default=8)
-    build.add_argument("--seed", type=int, default=0)
-    build.add_argument("--max-model-len", type=int, default=2048)
+    build.add_argument(
+        "--bipia-raw",
+        type=Path,
+        help="BIPIA raw/ dir: reference answers by source context (default: none, each row's "
+        "ideal field)",
+    )
+    build.add_argument(
+        "--exclude-split",
+        type=Path,
+        help="split file whose groups stay out (default: none)",
+    )
+    build.add_argument(
+        "--layers",
+        type=_layers,
+        help="candidate layers, start:stop:step or a,b,c (default: every third layer from L/5)",
+    )
+    build.add_argument(
+        "--method",
+        choices=["adjust_rs", "add_vector"],
+        default="adjust_rs",
+        help="adjust_rs sets the stream's projection on the vector to c * avg_proj; add_vector "
+        "adds c times the vector",
+    )
+    build.add_argument("--coefficient", type=float, default=1.0, help="c of --method")
+    build.add_argument(
+        "--max-data-chars", type=int, default=1200, help="rows with longer data are left out"
+    )
+    build.add_argument(
+        "--train-per-task", type=int, default=16, help="rows per task the vector is built from"
+    )
+    build.add_argument(
+        "--validation-per-task",
+        type=int,
+        default=8,
+        help="rows per task (other source contexts) the layer is picked on",
+    )
+    build.add_argument("--seed", type=int, default=0, help="seed of the row draw and injections")
+    build.add_argument("--max-model-len", type=int, default=2048, help="vLLM's max_model_len")
 
 
 def select_examples(

@@ -685,7 +685,7 @@ def run_server(
                     base,
                     arm,
                     requests,
-                    args.clients,
+                    clients_of(name, args),
                     args.max_tokens,
                     args.max_seconds,
                     f"round {round_no} {arm:<7} {name:<6}",
@@ -707,6 +707,11 @@ def run_server(
     if result["stop"]["killed"]:
         status(f"{arm} server: processes left {args.stop_timeout:g} s after SIGINT were killed")
     return result
+
+
+def clients_of(name: str, args: argparse.Namespace) -> int:
+    """A pass's concurrent clients: the count after its ``@``, else the only ``--clients``."""
+    return int(name.partition("@")[2] or args.clients[0])
 
 
 def count_tokens_from_plain(
@@ -827,7 +832,14 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--eager", action="store_true", help="gpu: enforce_eager on both servers")
     parser.add_argument("--rounds", type=int, default=3, help="each runs both arms, alternating")
-    parser.add_argument("--clients", type=int, default=32, help="concurrent clients")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        nargs="+",
+        default=[32],
+        help="concurrent clients; with several counts each pass runs once per count (its own "
+        "requests, pass name NAME@COUNT) on the same server start",
+    )
     parser.add_argument("--requests", type=int, default=256, help="per pass, arm and round")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--mix", type=float, default=0.5, help="share of injected requests")
@@ -850,7 +862,7 @@ def parse_args() -> argparse.Namespace:
         args.device = "gpu" if torch.cuda.is_available() else "cpu"
     if not 0.0 <= args.mix <= 1.0:
         parser.error("--mix is a share in [0, 1]")
-    if args.rounds < 1 or args.clients < 1 or args.requests < 1:
+    if args.rounds < 1 or min(args.clients) < 1 or args.requests < 1:
         parser.error("--rounds, --clients and --requests are at least 1")
     return args
 
@@ -869,9 +881,13 @@ def main() -> int:
         tmp = Path(tmp_name)
         model, probe_config = model_and_config(args, tmp)
         tok = AutoTokenizer.from_pretrained(model)
-        passes = {"mixed": build_requests("mixed", args.requests, args.mix, args.seed, tok)}
-        if not args.no_benign_pass and args.mix > 0:
-            passes["benign"] = build_requests("benign", args.requests, 0.0, args.seed, tok)
+        passes = {}
+        for n, clients in enumerate(args.clients):
+            at = "" if len(args.clients) == 1 else f"@{clients}"
+            seed = args.seed + 1000 * n  # new requests per count: none found in the cache
+            passes[f"mixed{at}"] = build_requests("mixed", args.requests, args.mix, seed, tok)
+            if not args.no_benign_pass and args.mix > 0:
+                passes[f"benign{at}"] = build_requests("benign", args.requests, 0.0, seed, tok)
         warmup = build_requests("warmup", WARMUP_REQUESTS, 0.5, args.seed, tok)
         rounds = []
         token_counts: dict[str, int] = {}
@@ -1211,7 +1227,8 @@ def write_doc(result: dict[str, Any], tables: str, out: Path) -> None:
     args = ", ".join(f"{k}={json.dumps(v)}" for k, v in c["engine_args"].items())
     load = " / ".join(f"{x:.2f}" for x in c["load_average_at_start"])
     model = "the embedded SmolLM2-135M-Instruct" if c["model"] == "smollm2" else c["model"]
-    req = c["request_sets"]["mixed"]
+    req = next(v for k, v in c["request_sets"].items() if k.startswith("mixed"))
+    clients = " / ".join(map(str, c["clients"]))
     section = f"""{DOC_SECTION}
 
 The guarded server against plain `vllm serve` under concurrent load, with the same engine
@@ -1230,7 +1247,7 @@ average {load} (1, 5, 15 min) at the start.
 
 How it runs:
 
-- {c["clients"]} concurrent clients (`httpx.AsyncClient`, loopback) send {c["requests"]}
+- {clients} concurrent clients (`httpx.AsyncClient`, loopback) send {c["requests"]}
   requests per pass to `/v1/completions`: an instruction (summarise, translate, list the action
   items, ...) over an email of 1-3 sentences with a unique reference, temperature 0,
   `max_tokens` {c["max_tokens"]}, half of them streamed; prompts of

@@ -1,23 +1,24 @@
 """Which fields of an OpenAI request the guarded server serves, and which it refuses.
 
-An application that sends ``tools`` or ``logprobs`` and gets a plausible plain answer back,
-without tool calls or logprobs, is worse off than one that gets a 400: so no field is ignored
+An application that sends ``tools`` or ``logit_bias`` and gets a plausible plain answer back,
+without tool calls or the bias, is worse off than one that gets a 400: so no field is ignored
 silently.
 Every field of the OpenAI chat and completions requests is in exactly one of three sets (a test
 enumerates the ``openai`` package's request types against them):
 
 - ``SERVED``: honoured with the meaning OpenAI and ``vllm serve`` give it (vLLM's sampling
-  extras ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` too);
+  extras ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` too; ``logprobs`` is
+  a boolean in a chat, with ``top_logprobs``, and a number in a completion);
 - ``NO_EFFECT``: bookkeeping fields that change nothing in the answer, accepted as ``vllm
   serve`` accepts them (``user``, ``metadata``, ``store``, ...);
-- ``REFUSED``: not served yet (tools, logprobs, audio, ...): a request that
+- ``REFUSED``: not served yet (tools, logit_bias, audio, echo, ...): a request that
   sets one to anything but its "off" value is a 400 naming the field. A field in none of the
   sets is refused too.
 
 Example:
     >>> refused_field({"model": "m", "tools": [{"type": "function"}]})
     'tools'
-    >>> refused_field({"model": "m", "tools": [], "logprobs": False, "user": "u"}) is None
+    >>> refused_field({"model": "m", "tools": [], "logit_bias": {}, "user": "u"}) is None
     True
 """
 
@@ -50,6 +51,8 @@ SERVED = frozenset(
         "repetition_penalty",
         "ignore_eos",
         "response_format",  # text, json_object, json_schema: vLLM's structured outputs
+        "logprobs",  # chat: true / false; completions: how many most likely tokens
+        "top_logprobs",  # chat
     }
 )
 NO_EFFECT = frozenset(
@@ -71,8 +74,6 @@ REFUSED = frozenset(
         "parallel_tool_calls",
         "functions",
         "function_call",
-        "logprobs",
-        "top_logprobs",
         "logit_bias",
         "audio",
         "modalities",
@@ -91,7 +92,6 @@ _OFF: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),
     "best_of": (1,),
     "tool_choice": ("none",),
-    "top_logprobs": (0,),
 }
 """Values of a refused field that ask for nothing (besides None, False, "" and empty lists and
 objects): an SDK that sends them gets the plain answer it asked for."""

@@ -15,7 +15,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from guardrail.probe.prompts import Message, Segment
 
@@ -109,6 +118,12 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """vLLM's ``SamplingParams.logprobs``: how many most likely tokens each generated
+        token's logprobs list (-1: the whole vocabulary), or None for no logprobs."""
+        return None
+
     def sampling_params(self, default_max_tokens: int) -> Any:
         from vllm import SamplingParams
 
@@ -120,6 +135,7 @@ class _Sampling(BaseModel):
             seed=self.seed,
             stop=stop or None,
             ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs,
             structured_outputs=None
             if self.response_format is None
             else self.response_format.structured_outputs(),
@@ -166,8 +182,36 @@ class _ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[_ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool | None = None
+    # the upper bound is the engine's (--max-logprobs, 20 by default): checked by the server
+    top_logprobs: StrictInt | None = Field(default=None, ge=-1)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):  # as OpenAI and vllm serve
+            raise ValueError("top_logprobs is set, so logprobs must be true")
+        return top
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
     prompt: str = Field(min_length=1)
     data: str | None = None
+    # the most likely tokens listed besides each generated one (OpenAI: up to 5; vllm serve
+    # and this server: up to the engine's --max-logprobs, 20 by default)
+    logprobs: StrictInt | None = Field(default=None, ge=-1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_chat_logprobs(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("top_logprobs") not in (None, 0):
+            raise ValueError("top_logprobs is a chat field: a completion asks for logprobs: N")
+        return data
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs

@@ -66,6 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from guardrail.embedded import model_or_embedded
 from guardrail.engine.install import engine_probe_config
+from guardrail.engine.types import PositionLogprobs
 from guardrail.errors import (
     ConfigError,
     EngineClosedError,
@@ -80,6 +81,7 @@ from guardrail.policy import Policy
 from guardrail.policy.verdict import Verdict
 from guardrail.probe.prompts import GuardedPrompt, Message
 
+from ._openai_logprobs import RequestLogprobs
 from ._openai_wire import ChatRequest, CompletionRequest
 from ._serve_args import build_parser
 from ._server_gate import DEFAULT_MAX_BODY_BYTES, RequestGate
@@ -92,8 +94,15 @@ logger = logging.getLogger(__name__)
 # -- answers ----------------------------------------------------------------------------------
 
 
-def _error(status: int, message: str, kind: str, code: str | None = None, **extra: Any) -> Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code, **extra}}
+def _error(
+    status: int,
+    message: str,
+    kind: str,
+    code: str | None = None,
+    param: str | None = None,
+    **extra: Any,
+) -> Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code, **extra}}
     return JSONResponse(body, status_code=status)
 
 
@@ -123,28 +132,48 @@ def _blocked(verdict: Verdict) -> Response:
 
 
 class _Answer:
-    """Formats one request's chunks as an OpenAI chat or text completion."""
+    """Formats one request's chunks as an OpenAI chat or text completion; ``logprobs``: how
+    its logprobs are rendered, when it asked for them."""
 
-    def __init__(self, chat: bool, model: str, request_id: str) -> None:
+    def __init__(
+        self, chat: bool, model: str, request_id: str, logprobs: RequestLogprobs | None = None
+    ) -> None:
         self.chat = chat
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
+        self.logprobs = logprobs
 
-    def _choice(self, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
+    def _choice(
+        self, text: str, finish: str | None, delta: bool, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if delta else "message"
         content: dict[str, Any] = {"role": "assistant", "content": text}
-        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
 
-    def whole(self, text: str, finish: str | None, verdict: Verdict, usage: dict[str, int]) -> Any:
+    def _logprobs(
+        self, token_ids: Sequence[int], positions: Sequence[PositionLogprobs] | None
+    ) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs.render(token_ids, positions)
+
+    def whole(
+        self,
+        text: str,
+        finish: str | None,
+        verdict: Verdict,
+        usage: dict[str, int],
+        token_ids: Sequence[int] = (),
+        positions: Sequence[PositionLogprobs] | None = None,
+    ) -> Any:
+        logprobs = self._logprobs(token_ids, positions)
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [self._choice(text, finish, delta=False)],
+            "choices": [self._choice(text, finish, delta=False, logprobs=logprobs)],
             "usage": usage,
             "guardrail": _verdict_json(verdict),
         }
@@ -166,7 +195,9 @@ class _Answer:
         extra: dict[str, Any] = {"usage": None} if with_usage else {}
         if chunk.verdict is not None:
             extra["guardrail"] = _verdict_json(chunk.verdict)
-        return self._event([self._choice(chunk.text, chunk.finish_reason, delta=True)], **extra)
+        logprobs = self._logprobs(chunk.token_ids, chunk.logprobs)  # this chunk's tokens'
+        choice = self._choice(chunk.text, chunk.finish_reason, delta=True, logprobs=logprobs)
+        return self._event([choice], **extra)
 
     def usage(self, usage: dict[str, int]) -> str:
         """The last event of a stream that asked for usage (``stream_options.include_usage``):
@@ -293,7 +324,9 @@ def build_app(
         guard = await start()
         state["guard"] = app.state.guard = guard
         state["model"] = served_model_name or guard.model_name
-        state["max_model_len"] = guard.engine.engine.model_config.max_model_len
+        model_config = guard.engine.engine.model_config
+        state["max_model_len"] = model_config.max_model_len
+        state["logprob_limits"] = _logprob_limits(model_config)
         try:
             yield
         finally:
@@ -310,11 +343,15 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-            for e in exc.errors()
+            for e in errors
         )
-        return _error(400, f"invalid request: {problems}", "invalid_request_error")
+        # OpenAI's param: the request field at fault (the first error's, when it names one)
+        where = errors[0]["loc"][1:2] if errors else ()
+        param = where[0] if where and isinstance(where[0], str) else None
+        return _error(400, f"invalid request: {problems}", "invalid_request_error", param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -375,6 +412,9 @@ def build_app(
                 f"{state['max_model_len']} tokens, prompt included: ask for fewer",
                 "invalid_request_error",
             )
+        refused = _too_many_logprobs(body, *state["logprob_limits"])
+        if refused is not None:
+            return refused
         guard: AsyncGuardedLLM = state["guard"]
         chat = isinstance(body, ChatRequest)
         try:
@@ -399,7 +439,9 @@ def build_app(
         except ValueError as exc:  # vLLM's own checks of the sampling values
             return _error(400, f"invalid sampling parameters: {exc}", "invalid_request_error")
         request_id = uuid.uuid4().hex
-        form = _Answer(chat, state["model"], request_id)
+        top = body.num_logprobs
+        logprobs = None if top is None else RequestLogprobs(chat=chat, top=top)
+        form = _Answer(chat, state["model"], request_id, logprobs)
         policies = None if policy_set is None else sets[policy_set]
         chunks = guard.stream(request, params, policies=policies, request_id=request_id)
         try:
@@ -421,15 +463,16 @@ def build_app(
             return StreamingResponse(
                 events, media_type="text/event-stream", headers=_headers(verdict)
             )
-        text, finish, completion_tokens = [first.text], first.finish_reason, len(first.token_ids)
+        text, finish, token_ids = [first.text], first.finish_reason, list(first.token_ids)
+        positions = list(first.logprobs or ())
         async for chunk in chunks:
             text.append(chunk.text)
             finish = chunk.finish_reason
-            completion_tokens += len(chunk.token_ids)
-        usage = _usage(verdict.num_prompt_tokens, completion_tokens)
-        return JSONResponse(
-            form.whole("".join(text), finish, verdict, usage), headers=_headers(verdict)
-        )
+            token_ids.extend(chunk.token_ids)
+            positions.extend(chunk.logprobs or ())
+        usage = _usage(verdict.num_prompt_tokens, len(token_ids))
+        whole = form.whole("".join(text), finish, verdict, usage, token_ids, positions)
+        return JSONResponse(whole, headers=_headers(verdict))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
@@ -442,6 +485,33 @@ def build_app(
         return await _unless_disconnected(request, answer(body, chosen))
 
     return app
+
+
+def _logprob_limits(model_config: Any) -> tuple[int, int]:
+    """(the most logprobs per token the engine returns, its vocabulary's size): vLLM's
+    ``max_logprobs`` is ``--max-logprobs``, 20 by default, -1 for the whole vocabulary."""
+    vocab = int(model_config.get_vocab_size())
+    limit = int(model_config.max_logprobs)
+    return (vocab if limit == -1 else limit), vocab
+
+
+def _too_many_logprobs(
+    body: ChatRequest | CompletionRequest, limit: int, vocab: int
+) -> Response | None:
+    """A 400 naming the field when a request asks for more logprobs per token than the engine
+    returns (vLLM's own check, ``SamplingParams._validate_logprobs``, would refuse it inside
+    the engine); -1 asks for the whole vocabulary, as in ``vllm serve``."""
+    asked = body.num_logprobs
+    if asked is None or (vocab if asked == -1 else asked) <= limit:
+        return None
+    field = "top_logprobs" if isinstance(body, ChatRequest) else "logprobs"
+    return _error(
+        400,
+        f"{field} is {asked}, but this server returns at most {limit} logprobs per token "
+        "(the engine's --max-logprobs)",
+        "invalid_request_error",
+        param=field,
+    )
 
 
 async def _sse(

@@ -470,3 +470,16 @@ def uvicorn_in_thread(app: Any, start_timeout: float = 30.0, **config: Any) -> I
         server.should_exit = True
         thread.join(timeout=60)
     assert not thread.is_alive(), "the server did not stop"
+
+
+def assert_same_logprobs(got: Any, want: Any) -> None:
+    """The same tokens, ranks and texts at every position; logprobs equal to float noise (a
+    batch of another shape may round differently)."""
+    import pytest
+
+    assert got is not None and want is not None and len(got) == len(want)
+    for mine, theirs in zip(got, want, strict=True):
+        assert [(e.token_id, e.rank, e.token) for e in mine] == [
+            (e.token_id, e.rank, e.token) for e in theirs
+        ]
+        assert [e.logprob for e in mine] == pytest.approx([e.logprob for e in theirs], abs=1e-4)

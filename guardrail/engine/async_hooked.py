@@ -54,7 +54,9 @@ from guardrail.engine.types import (
     STOP_IS,
     GuardedChunk,
     GuardedOutput,
+    PositionLogprobs,
     is_stop_value,
+    logprobs_of,
 )
 from guardrail.engine.vllm_client import (
     SHUTDOWN_TIMEOUT_S,
@@ -348,6 +350,7 @@ class AsyncHookedLLM:
                     token_ids=list(completion.token_ids),
                     finished=out.finished,
                     finish_reason=completion.finish_reason,
+                    logprobs=logprobs_of(completion),  # DELTA: this chunk's tokens' only
                 )
                 if first:
                     if list(out.prompt_token_ids or []) != prompt.token_ids:
@@ -454,6 +457,7 @@ class AsyncHookedLLM:
     ) -> GuardedOutput:
         text: list[str] = []
         token_ids: list[int] = []
+        logprobs: list[PositionLogprobs] | None = None
         first: GuardedChunk | None = None
         finish_reason = None
         async for chunk in self.stream(
@@ -466,6 +470,9 @@ class AsyncHookedLLM:
             first = first or chunk
             text.append(chunk.text)
             token_ids.extend(chunk.token_ids)
+            if chunk.logprobs is not None:
+                logprobs = [] if logprobs is None else logprobs
+                logprobs.extend(chunk.logprobs)
             finish_reason = chunk.finish_reason
         if first is None:  # vLLM yields at least one output per request
             raise GuardrailError(f"request {index}: the engine returned no output")
@@ -477,6 +484,7 @@ class AsyncHookedLLM:
             finish_reason=finish_reason,
             num_cached_tokens=first.num_cached_tokens,
             probe=first.probe,
+            logprobs=None if logprobs is None else tuple(logprobs),
         )
 
     # -- lifecycle -------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from guardrail.engine.steering import ResolvedSteering, SteeringClient
 from guardrail.engine.types import (
     GuardedOutput,
     ProbeResult,
+    logprobs_of,
     per_request,
 )
 from guardrail.engine.vllm_client import EngineHandle, abort_unfinished
@@ -292,6 +293,7 @@ class HookedLLM:
                 num_cached_tokens=int(result.num_cached_tokens or 0),
                 probe=self.probe.result(per_rank, key),
                 steering=reports.get(key),
+                logprobs=logprobs_of(completion),
             )
         return [o for o in outputs if o is not None]
 

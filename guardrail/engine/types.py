@@ -34,8 +34,11 @@ __all__ = [
     "GuardEngine",
     "GuardedChunk",
     "GuardedOutput",
+    "PositionLogprobs",
     "ProbeResult",
+    "TokenLogprob",
     "is_stop_value",
+    "logprobs_of",
     "per_request",
     "per_request_checked",
 ]
@@ -66,6 +69,48 @@ class ProbeResult:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability at a generated position, as vLLM computed it
+    (``SamplingParams(logprobs=N)``): ``rank`` in the vocabulary (1: the most likely) and
+    ``token``, the token's own text (vLLM's ``decoded_token``; None without a tokenizer)."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    token: str | None = None
+
+
+PositionLogprobs = tuple[TokenLogprob, ...]
+"""The tokens vLLM returned at one generated position: the generated token's first, then the N
+most likely (``SamplingParams(logprobs=N)``) by rank; a token that is both appears once."""
+
+
+def logprobs_of(completion: Any) -> tuple[PositionLogprobs, ...] | None:
+    """The logprobs of a vLLM ``CompletionOutput``, one entry per token of its ``token_ids``
+    (None when its request asked for none).
+
+    Example:
+        >>> from types import SimpleNamespace as Logprob  # vllm.logprobs.Logprob's fields
+        >>> entry = Logprob(logprob=-0.1, rank=1, decoded_token="hi")
+        >>> out = Logprob(logprobs=[{7: entry}])
+        >>> logprobs_of(out)
+        ((TokenLogprob(token_id=7, logprob=-0.1, rank=1, token='hi'),),)
+        >>> logprobs_of(Logprob(logprobs=None)) is None
+        True
+    """
+    positions = getattr(completion, "logprobs", None)
+    if positions is None:
+        return None
+    return tuple(
+        tuple(
+            TokenLogprob(int(token_id), float(entry.logprob), entry.rank, entry.decoded_token)
+            for token_id, entry in (position or {}).items()
+        )
+        for position in positions
+    )
+
+
+@dataclass(frozen=True)
 class GuardedOutput:
     """One request's result: its prompt and spans (for audit), the text, and the probe result.
 
@@ -82,13 +127,15 @@ class GuardedOutput:
     probe: ProbeResult | None = None
     error: GuardrailError | None = None
     steering: SteeringReport | None = None  # set for steered requests
+    logprobs: tuple[PositionLogprobs, ...] | None = None  # one per token id, when asked for
 
 
 @dataclass(frozen=True)
 class GuardedChunk:
     """One step of a streamed request (``AsyncHookedLLM.stream``): the text and token ids new
     since the previous chunk. The first chunk also carries the rendered ``prompt``, the
-    ``probe`` result and ``num_cached_tokens``; later chunks have them None (0)."""
+    ``probe`` result and ``num_cached_tokens``; later chunks have them None (0). ``logprobs``:
+    one entry per token id of the chunk, when the sampling params asked for them."""
 
     text: str
     token_ids: list[int]
@@ -97,6 +144,7 @@ class GuardedChunk:
     prompt: PreparedPrompt | None = None
     probe: ProbeResult | None = None
     num_cached_tokens: int = 0
+    logprobs: tuple[PositionLogprobs, ...] | None = None
 
     def first(self, prompt: PreparedPrompt, probe: ProbeResult, cached: int) -> GuardedChunk:
         """This chunk as a request's first: with its prompt, probe result and cached tokens."""

@@ -25,7 +25,7 @@ from typing import Any
 from guardrail.embedded import model_or_embedded
 from guardrail.engine.async_hooked import AsyncHookedLLM
 from guardrail.engine.install import engine_probe_config
-from guardrail.engine.types import GuardedChunk, GuardedOutput
+from guardrail.engine.types import GuardedChunk, GuardedOutput, PositionLogprobs
 from guardrail.errors import (
     ConfigError,
     EngineDeadError,
@@ -55,7 +55,8 @@ class GuardedStreamChunk:
     """One chunk of a guarded stream: text and token ids new since the previous chunk.
 
     The first chunk carries the request's ``verdict``. A blocked request's stream is that one
-    chunk: the refusal text (``on_block="refuse"``), no token ids, ``finish_reason`` "blocked".
+    chunk: the refusal text (``on_block="refuse"``), no token ids, ``finish_reason`` "blocked"
+    (and no logprobs). ``logprobs``: one entry per token id, when the sampling params asked.
     """
 
     request_id: str
@@ -64,6 +65,7 @@ class GuardedStreamChunk:
     finished: bool
     finish_reason: str | None = None
     verdict: Verdict | None = None
+    logprobs: tuple[PositionLogprobs, ...] | None = None
 
 
 def _refuse_retries(policies: Sequence[Policy]) -> None:
@@ -198,6 +200,7 @@ class AsyncGuardedLLM:
                             tuple(chunk.token_ids),
                             chunk.finished,
                             chunk.finish_reason,
+                            logprobs=chunk.logprobs,
                         )
                         continue
                     verdict = self._decide(rid, chunk, policy_set)
@@ -224,6 +227,7 @@ class AsyncGuardedLLM:
                         chunk.finished,
                         chunk.finish_reason,
                         verdict,
+                        chunk.logprobs,
                     )
             except EngineDeadError as exc:
                 if not decided:  # no verdict yet: fail closed and record it (once per request)

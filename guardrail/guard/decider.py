@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
-from guardrail.engine.types import GuardedOutput
+from guardrail.engine.types import GuardedOutput, PositionLogprobs
 from guardrail.errors import (
     ConfigError,
     EngineDeadError,
@@ -87,7 +87,8 @@ class GuardedResult:
     """One request's outcome: the text to show and the verdict behind it.
 
     A blocked request's ``text`` is the refusal and its generated tokens are withheld
-    (``token_ids`` empty) while ``num_generated_tokens`` still counts what the engine decoded.
+    (``token_ids`` empty, ``logprobs`` None) while ``num_generated_tokens`` still counts what
+    the engine decoded. ``logprobs``: one entry per token id, when the sampling params asked.
     ``error`` is set (and ``verdict`` is None) when the request itself was invalid. When the
     engine died under the batch (``EngineDeadError``, whose ``results`` hold these), a request
     that could not be answered has both: the engine's error and a fail-closed block verdict,
@@ -102,6 +103,7 @@ class GuardedResult:
     num_generated_tokens: int = 0
     finish_reason: str | None = None
     error: GuardrailError | None = None
+    logprobs: tuple[PositionLogprobs, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -297,7 +299,9 @@ class Decider:
             return result
         if decided.blocked:  # the generated tokens (if any) are withheld, only counted
             return replace(result, text=self.refusal_text, finish_reason=BLOCKED_FINISH_REASON)
-        return replace(result, text=output.text, token_ids=tuple(output.token_ids))
+        return replace(
+            result, text=output.text, token_ids=tuple(output.token_ids), logprobs=output.logprobs
+        )
 
     def _beyond_calibration(self, data_tokens: int, verdict: Verdict) -> str | None:
         """Why this scored request lies outside the config's calibration rows, or None."""

@@ -36,6 +36,7 @@ from tests.helpers import (
     FILLER,
     SYSTEM,
     assert_heads_match_hf,
+    assert_same_logprobs,
     engine_processes,
     live,
     run_close_script,
@@ -257,6 +258,38 @@ def test_guarded_generate_matches_the_sync_guard(
         assert got.verdict.action == want.verdict.action
         assert got.verdict.focus == pytest.approx(want.verdict.focus, abs=5e-6)
     assert [r.blocked for r in results] == [i == low for i in range(len(REQUESTS))]
+
+
+def test_logprobs_come_per_chunk_and_whole_as_the_offline_engine_computes_them(
+    async_engine: Any, run: Any, focus: list[float], tiny_engine: Any
+) -> None:
+    """``SamplingParams(logprobs=2)``: each chunk carries its own tokens' positions, a whole
+    output all of them, equal to the offline engine's; the guard delivers them for allowed
+    requests only (a blocked stream's one chunk, and a blocked result, carry none)."""
+    low, threshold = between_lowest(focus)
+    with_logprobs = sampling(logprobs=2)
+    reference = tiny_engine.generate(REQUESTS, with_logprobs)
+    outputs = run(async_engine.generate(REQUESTS, with_logprobs))
+    for out, ref in zip(outputs, reference, strict=True):
+        assert out.token_ids == ref.token_ids and len(out.logprobs) == len(out.token_ids)
+        assert_same_logprobs(out.logprobs, ref.logprobs)
+    chunks = run(collect(async_engine.stream(REQUESTS[1], with_logprobs)))
+    for chunk in chunks:
+        assert [p[0].token_id for p in chunk.logprobs] == chunk.token_ids
+    assert_same_logprobs([p for c in chunks for p in c.logprobs], outputs[1].logprobs)
+
+    guard = AsyncGuardedLLM(async_engine, [{"threshold": threshold}])
+    results = run(guard.generate(REQUESTS, with_logprobs))
+    for i, (result, out) in enumerate(zip(results, outputs, strict=True)):
+        if i == low:
+            assert result.blocked and result.logprobs is None
+        else:
+            assert_same_logprobs(result.logprobs, out.logprobs)
+    blocked = run(collect(guard.stream(REQUESTS[low], with_logprobs)))
+    assert [(c.finish_reason, c.logprobs) for c in blocked] == [("blocked", None)]
+    allowed = next(i for i in range(len(REQUESTS)) if i != low)
+    streamed = run(collect(guard.stream(REQUESTS[allowed], with_logprobs)))
+    assert_same_logprobs([p for c in streamed for p in c.logprobs], outputs[allowed].logprobs)
 
 
 def test_retry_policies_are_refused_on_the_async_engine(async_engine: Any, run: Any) -> None:

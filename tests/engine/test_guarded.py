@@ -26,7 +26,7 @@ from guardrail.policy import PromptInjectionPolicy
 from guardrail.policy.verdict import Action, FailureMode, Verdict
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import GuardedPrompt
-from tests.helpers import start_engine, tiny_config
+from tests.helpers import assert_same_logprobs, start_engine, tiny_config
 
 MAX_TOKENS = 8
 REQUESTS: list[Any] = [
@@ -132,6 +132,33 @@ def test_block_stops_decoding_right_after_prefill(
     no_eos = sampling(ignore_eos=True)
     kept = guard(tiny_engine, [{"threshold": threshold}]).generate([REQUESTS[low]], no_eos)[0]
     assert kept.blocked and kept.num_generated_tokens == MAX_TOKENS
+
+
+def test_logprobs_reach_allowed_results_only(
+    tiny_engine: Any, focus: list[float], plain: list[Any]
+) -> None:
+    """``SamplingParams(logprobs=2)``: an allowed result carries one position per token id, the
+    token's own entry first; a blocked one carries none, though the engine decoded its stop
+    token (early) or its whole answer (late) with logprobs."""
+    low, threshold = between_lowest(focus)
+    with_logprobs = sampling(logprobs=2)
+    outputs = tiny_engine.generate(REQUESTS, with_logprobs)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    for early_block in (True, False):
+        llm = guard(tiny_engine, [{"threshold": threshold}], early_block=early_block)
+        results = llm.generate(REQUESTS, with_logprobs)
+        assert results[low].blocked and results[low].num_generated_tokens >= 1
+        assert results[low].logprobs is None and results[low].token_ids == ()
+        for i, (result, output) in enumerate(zip(results, outputs, strict=True)):
+            if i == low:
+                continue
+            assert result.logprobs is not None and len(result.logprobs) == len(result.token_ids)
+            assert [p[0].token_id for p in result.logprobs] == list(result.token_ids)
+            assert_same_logprobs(result.logprobs, output.logprobs)
+            assert all(p[0].rank == 1 and len(p) == 2 for p in result.logprobs)  # greedy
+    allowed = next(i for i in range(len(REQUESTS)) if i != low)
+    unasked = guard(tiny_engine, [{"threshold": threshold}]).generate([REQUESTS[allowed]])
+    assert unasked[0].token_ids and unasked[0].logprobs is None  # not asked: none
 
 
 def test_block_can_raise_and_keeps_every_result(tiny_engine: Any, focus: list[float]) -> None:

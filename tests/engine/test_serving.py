@@ -275,10 +275,12 @@ def test_segments_inside_a_message_mark_data(client: openai.OpenAI, tiny_engine:
         ({"model": "tiny", "messages": CHATS[1], "max_tokens": 10**9}, 400, "max_tokens is"),
         # a field the server does not serve is refused by name, never ignored
         (
-            {"model": "tiny", "messages": CHATS[1], "logprobs": True},
+            {"model": "tiny", "messages": CHATS[1], "logit_bias": {"42": 5}},
             400,
-            "'logprobs' is not served",
+            "'logit_bias' is not served",
         ),
+        # as OpenAI and vllm serve: top_logprobs needs logprobs
+        ({"model": "tiny", "messages": CHATS[1], "top_logprobs": 2}, 400, "top_logprobs"),
         (
             {"model": "tiny", "messages": CHATS[1], "response_format": {"type": "json_schema"}},
             400,
@@ -679,3 +681,113 @@ def test_json_schema_mode_answers_json_that_conforms(client: openai.OpenAI) -> N
         assert verdict["action"] == "block"
         return
     assert json.loads(answer.choices[0].message.content)["label"] in ("spam", "ham")
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+
+
+def _engine_reference(tiny_engine: Any, request: Any, max_tokens: int, top: int) -> Any:
+    """vLLM's own output for ``request``'s prompt token ids (as the guardrail renders them),
+    greedy, with ``top`` logprobs per token: a direct call on the offline engine's ``vllm.LLM``,
+    past the guardrail's code."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=tiny_engine.prepare(request).token_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=top)
+    return tiny_engine.llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+
+def test_chat_logprobs_are_the_engines_whole_and_streamed(
+    client: openai.OpenAI, tiny_engine: Any, low_and_threshold: tuple[int, float]
+) -> None:
+    """One entry per generated token: vLLM's own token text and logprob for the same prompt
+    token ids, greedy, so the chosen token heads its top list; a stream carries each chunk's
+    own tokens, and the whole answer's entries are the stream's, in order."""
+    low, _ = low_and_threshold
+    allowed = next(i for i in range(len(CHATS)) if i != low)
+    reference = _engine_reference(tiny_engine, CHATS[allowed], MAX_TOKENS, 3)
+    answer = chat(client, allowed, logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert answer.choices[0].message.content == reference.text
+    assert len(content) == len(reference.token_ids) == answer.usage.completion_tokens
+    for entry, token_id, position in zip(
+        content, reference.token_ids, reference.logprobs, strict=True
+    ):
+        assert entry.token == position[token_id].decoded_token
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert entry.logprob == pytest.approx(position[token_id].logprob, abs=1e-4)
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely
+        assert entry.logprob == max(t.logprob for t in entry.top_logprobs)
+        ranked = sorted(position.values(), key=lambda p: p.rank)
+        assert [t.token for t in entry.top_logprobs] == [p.decoded_token for p in ranked]
+    # the token texts are the generated token ids' own (vLLM decodes each id alone)
+    tokenizer = tiny_engine.tokenizer
+    assert [e.token for e in content] == [tokenizer.decode([t]) for t in reference.token_ids]
+
+    chunks = list(chat(client, allowed, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c.choices[0].logprobs.content for c in chunks]
+    assert all(entries for entries in streamed)  # every chunk carries its tokens' logprobs
+    for chunk, entries in zip(chunks, streamed, strict=True):
+        assert chunk.choices[0].delta.content == "".join(e.token for e in entries)
+    assert [e for entries in streamed for e in entries] == content
+    assert all(c.choices[0].logprobs is None for c in chat(client, allowed, stream=True))
+    assert chat(client, allowed).choices[0].logprobs is None  # not asked: none
+
+    # a blocked request is a 403 either way: no token, so no logprob, is ever sent
+    with pytest.raises(openai.PermissionDeniedError) as blocked:
+        chat(client, low, logprobs=True, top_logprobs=3)
+    assert "logprobs" not in blocked.value.response.text
+
+
+def test_completion_logprobs_in_the_legacy_shape_whole_and_streamed(
+    client: openai.OpenAI, tiny_engine: Any
+) -> None:
+    """``logprobs: 2``: each token's logprob (vLLM's, for the same prompt token ids), a map of
+    the chosen token and the 2 most likely, and text offsets that a stream continues."""
+    from guardrail.probe.prompts import Message
+
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": "Say hello.", "temperature": 0}
+    kwargs |= {"max_tokens": 4, "logprobs": 2, "extra_body": {"ignore_eos": True}}
+    # the server renders a plain prompt as one user message (its --data-between rule applied)
+    reference = _engine_reference(tiny_engine, [Message(role="user", content="Say hello.")], 4, 2)
+    whole = client.completions.create(**kwargs)
+    logprobs = whole.choices[0].logprobs
+    assert whole.model_extra["guardrail"]["action"] == "allow"  # all trusted
+    assert whole.choices[0].text == reference.text
+    assert logprobs.tokens == [
+        p[t].decoded_token for t, p in zip(reference.token_ids, reference.logprobs, strict=True)
+    ]
+    assert logprobs.token_logprobs == pytest.approx(
+        [p[t].logprob for t, p in zip(reference.token_ids, reference.logprobs, strict=True)],
+        abs=1e-4,
+    )
+    for chosen, top, token in zip(
+        logprobs.token_logprobs, logprobs.top_logprobs, logprobs.tokens, strict=True
+    ):
+        assert len(top) == 2 and top[token] == chosen == max(top.values())  # greedy
+    starts = [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    assert logprobs.text_offset == starts
+
+    events = list(client.completions.create(**kwargs, stream=True))
+    parts = [e.choices[0].logprobs for e in events]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for part in parts for v in getattr(part, field)] == getattr(logprobs, field)
+
+
+def test_out_of_range_logprobs_are_a_400_naming_the_field(client: openai.OpenAI) -> None:
+    """vLLM's bound (the engine's --max-logprobs, 20 by default), before anything runs."""
+    with pytest.raises(openai.BadRequestError) as chat_refused:
+        chat(client, 1, logprobs=True, top_logprobs=21)
+    assert chat_refused.value.body["param"] == "top_logprobs"
+    assert "top_logprobs is 21" in chat_refused.value.body["message"]
+    assert "at most 20" in chat_refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as below:
+        chat(client, 1, logprobs=True, top_logprobs=-2)
+    assert below.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as text_refused:
+        client.completions.create(model="tiny", prompt="Say hello.", max_tokens=1, logprobs=21)
+    assert text_refused.value.body["param"] == "logprobs"
+    assert "logprobs is 21" in text_refused.value.body["message"]
+    assert chat(client, 1, logprobs=True, top_logprobs=20).choices[0].logprobs.content

@@ -35,9 +35,8 @@ def test_the_served_fields_are_the_request_models_fields() -> None:
     ("field", "value"),
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("logprobs", True),
-        ("top_logprobs", 3),
         ("logit_bias", {"42": 5}),
+        ("prompt_logprobs", 1),  # vLLM's, in no list: refused
         ("tool_choice", "required"),
         ("min_tokens", 3),  # in no list: refused too
     ],
@@ -57,6 +56,7 @@ def test_off_values_and_bookkeeping_fields_are_accepted() -> None:
         "messages": [{"role": "user", "content": "hi"}],
         "tools": [],
         "logprobs": False,
+        "top_logprobs": 0,
         "response_format": {"type": "text"},
         "tool_choice": "none",
         "user": "u-1",
@@ -68,3 +68,50 @@ def test_off_values_and_bookkeeping_fields_are_accepted() -> None:
     request = ChatRequest.model_validate(body)
     params = request.sampling_params(16)
     assert (params.presence_penalty, params.top_k, params.max_tokens) == (0.5, 20, 16)
+    assert params.logprobs is None
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+TEXT = {"model": "m", "prompt": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("request_type", "fields", "logprobs"),
+    [
+        (ChatRequest, {"logprobs": True, "top_logprobs": 3}, 3),
+        (ChatRequest, {"logprobs": True}, 0),  # the generated tokens' own, no alternatives
+        (ChatRequest, {"logprobs": True, "top_logprobs": None}, 0),
+        (ChatRequest, {"logprobs": False, "top_logprobs": 0}, None),
+        (CompletionRequest, {"logprobs": 2}, 2),
+        (CompletionRequest, {"logprobs": 0}, 0),
+        (CompletionRequest, {"logprobs": None}, None),
+    ],
+)
+def test_logprobs_reach_vllms_sampling_params(
+    request_type: Any, fields: dict[str, Any], logprobs: int | None
+) -> None:
+    base = CHAT if request_type is ChatRequest else TEXT
+    params = request_type.model_validate({**base, **fields}).sampling_params(16)
+    assert params.logprobs == logprobs
+
+
+@pytest.mark.parametrize(
+    ("request_type", "fields", "says"),
+    [
+        (ChatRequest, {"top_logprobs": 3}, "logprobs must be true"),  # as OpenAI and vLLM
+        (ChatRequest, {"logprobs": False, "top_logprobs": 3}, "logprobs must be true"),
+        (ChatRequest, {"logprobs": True, "top_logprobs": -2}, "greater than or equal to -1"),
+        (ChatRequest, {"logprobs": "yes"}, "valid boolean"),
+        (ChatRequest, {"logprobs": True, "top_logprobs": "3"}, "valid integer"),
+        (CompletionRequest, {"logprobs": True}, "valid integer"),  # a number, not a flag
+        (CompletionRequest, {"logprobs": -2}, "greater than or equal to -1"),
+        (CompletionRequest, {"top_logprobs": 2}, "top_logprobs is a chat field"),
+    ],
+)
+def test_bad_logprobs_fields_are_errors_naming_them(
+    request_type: Any, fields: dict[str, Any], says: str
+) -> None:
+    base = CHAT if request_type is ChatRequest else TEXT
+    with pytest.raises(ValidationError, match=says) as refused:
+        request_type.model_validate({**base, **fields})
+    assert "logprobs" in str(refused.value)

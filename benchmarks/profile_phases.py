@@ -100,6 +100,45 @@ def read_worker_timers(worker: Any) -> dict[str, float]:
     return out
 
 
+def start_torch_profile(worker: Any) -> None:
+    """Runs in the worker's process: start ``torch.profiler`` (CPU and CUDA, with stacks)."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    worker.guardrail_torch_profile = torch.profiler.profile(activities=activities, with_stack=True)
+    worker.guardrail_torch_profile.__enter__()
+
+
+def stop_torch_profile(worker: Any, rows: int) -> str:
+    """Runs in the worker's process: stop the profiler; its table of ops by self CPU time, each
+    with the guard's own call site (the innermost frame under ``guardrail/``)."""
+    import torch
+
+    profile = worker.guardrail_torch_profile
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    profile.__exit__(None, None, None)
+    spent: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    try:
+        events = profile.events()
+    except Exception as exc:  # e.g. torch 2.13's CPU build fails to parse its own event names
+        return f"torch.profiler could not read its events: {type(exc).__name__}: {exc}"
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        site = next((f for f in event.stack if "guardrail/" in f), "vllm or torch")
+        entry = spent[(event.name, site.split("guardrail/")[-1])]
+        entry[0] += event.self_cpu_time_total
+        entry[1] += 1
+        entry[2] += getattr(event, "self_device_time_total", 0.0)
+    lines = [f"{'self cpu us':>12} {'calls':>6} {'self gpu us':>12}  op @ guard call site"]
+    for (name, site), (cpu, calls, gpu) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"{cpu:12.0f} {calls:6.0f} {gpu:12.0f}  {name} @ {site}")
+    return "\n".join(lines)
+
+
 def guarded_once(engine: Any, reqs: list[Any], armed: bool) -> tuple[float, int]:
     from vllm import SamplingParams
 
@@ -138,6 +177,12 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--in-process", action="store_true")
     parser.add_argument("--sync-debug", action="store_true")
+    parser.add_argument(
+        "--torch-profile",
+        action="store_true",
+        help="after the cases, one guarded call per case under torch.profiler in the worker: "
+        "ops by self CPU time, with the guard's call site",
+    )
     parser.add_argument("--model", help="a model directory instead of the dummy shape (smoke runs)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/guardrail-bench"))
@@ -177,7 +222,7 @@ def main() -> None:
     plain.collective_rpc(install_worker_timers)
     instrument_caller(guarded)
     default_chunk = hooked.FIRST_CHUNK
-    rows = []
+    rows: list[dict[str, Any]] = []
     for variant in args.variants:
         armed, hooked.FIRST_CHUNK, parallel = variant_settings(variant)
         saved = os.environ.get("TOKENIZERS_PARALLELISM")
@@ -238,6 +283,13 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(rows, indent=1) + "\n")
         hooked.FIRST_CHUNK = default_chunk
+        if args.torch_profile:
+            for batch, length in cases:
+                reqs = requests_of(length, batch, 99_991 + batch, tokenizer)
+                plain.collective_rpc(start_torch_profile)
+                guarded_once(guarded, reqs, armed)
+                table = plain.collective_rpc(stop_torch_profile, args=(40,))[0]
+                print(f"torch.profiler, {variant}, batch {batch} x {length}:\n{table}", flush=True)
         if parallel is not None:
             if saved is None:
                 os.environ.pop("TOKENIZERS_PARALLELISM", None)

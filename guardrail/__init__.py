@@ -28,6 +28,7 @@ from guardrail.errors import (
     PromptInjectionBlocked,
     RequestError,
 )
+from guardrail.protocol import ProbeErrorReason
 from guardrail.version import __version__
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ __all__ = [
     "ModelUnavailableError",
     "PolicyDecision",
     "PreparedPrompt",
+    "ProbeErrorReason",
     "ProbeResult",
     "PromptInjectionBlocked",
     "PromptInjectionPolicy",

@@ -29,6 +29,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from guardrail.policy.verdict import Action, FailureMode, PolicyDecision, Verdict
+from guardrail.protocol import ProbeErrorReason
 from guardrail.steering import SteeringMetadata, SteeringVector
 
 
@@ -423,7 +424,11 @@ def delta(before: Samples, after: Samples) -> Delta:
 
 
 def allow_or_block(
-    focus: float | None, threshold: float = 0.5, *, error: str | None = None
+    focus: float | None,
+    threshold: float = 0.5,
+    *,
+    error: str | None = None,
+    error_reason: ProbeErrorReason | None = None,
 ) -> Verdict:
     action = Action.BLOCK if focus is None or focus <= threshold else Action.ALLOW
     decision = PolicyDecision(
@@ -441,6 +446,7 @@ def allow_or_block(
         decisions=(decision,),
         scores={} if focus is None else {"focus": focus},
         probe_error=error,
+        probe_error_reason=error_reason,
         probe_latency_s=0.0 if focus is None else 0.004,
         reason="test",
     )

@@ -6,8 +6,9 @@
 Example:
     >>> ProbeResult(focus=0.8).signals
     {'focus': 0.8}
-    >>> ProbeResult(focus=None, error="missing: no score").signals
-    {}
+    >>> failed = ProbeResult(None, error="no score", error_reason=ProbeErrorReason.MISSING)
+    >>> failed.signals, str(failed.error_reason)
+    ({}, 'missing')
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from guardrail.errors import ConfigError, GuardrailError, RequestError
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt, RequestLike
 from guardrail.probe.scoring import FOCUS, HeadKey
-from guardrail.protocol import ModelInfo
+from guardrail.protocol import ModelInfo, ProbeErrorReason
 from guardrail.steering import SteeringVector
 from guardrail.steering.spec import SteeringLike, SteeringReport
 
@@ -46,7 +47,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """What the probe measured for one request (``error`` set when it could not score)."""
+    """What the probe measured for one request (``error`` set when it could not score, and
+    ``error_reason`` its category: what code and metrics read, never the message)."""
 
     focus: float | None
     head_scores: dict[HeadKey, float] = field(default_factory=dict)  # focus per head
@@ -58,6 +60,7 @@ class ProbeResult:
     hidden_states: dict[int, tuple[float, ...]] = field(default_factory=dict)
     data_mean_states: dict[int, tuple[float, ...]] = field(default_factory=dict)
     error: str | None = None
+    error_reason: ProbeErrorReason | None = None  # set with ``error``
     num_prompt_tokens: int = 0
     probe_seconds: float = 0.0
     stopped: bool = False  # ended right after prefill by ``stop_below``

@@ -40,7 +40,7 @@ from guardrail.policy.reading import Reading
 from guardrail.policy.verdict import Action, FailureMode, Verdict
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import RequestLike, request_segments
-from guardrail.protocol import ModelInfo
+from guardrail.protocol import ModelInfo, ProbeErrorReason
 
 __all__ = [
     "BLOCKED_FINISH_REASON",
@@ -255,6 +255,7 @@ class Decider:
             reading = Reading(
                 signals=probe.signals,
                 error=probe.error,
+                error_reason=probe.error_reason,
                 head_scores=probe.head_scores,
                 segments=prompt.segments,
                 instruction_spans=prompt.instruction_spans,
@@ -345,6 +346,7 @@ class Decider:
                 action=Action.BLOCK,
                 failure=FailureMode.FAIL_CLOSED,
                 probe_error=f"engine: {error}",
+                probe_error_reason=ProbeErrorReason.ENGINE,
                 reason="the engine died before this request was answered: blocked (fail-closed), "
                 "nothing was generated for it",
             )

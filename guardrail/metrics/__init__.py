@@ -23,7 +23,6 @@ from guardrail.metrics.recorder import (
     PROBE_ERROR_REASONS,
     SCORE_BUCKETS,
     GuardrailMetrics,
-    probe_error_reason,
 )
 
 __all__ = [
@@ -39,7 +38,6 @@ __all__ = [
     "mark_process_dead",
     "multiprocess_dir",
     "multiprocess_registry",
-    "probe_error_reason",
     "scrape_registry",
     "start_metrics_server",
 ]

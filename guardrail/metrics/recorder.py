@@ -38,6 +38,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from guardrail.policy.verdict import Action, FailureMode, Verdict
 from guardrail.probe.scoring import FOCUS
+from guardrail.protocol import ProbeErrorReason
 
 __all__ = [
     "DISTRIBUTION",
@@ -47,7 +48,6 @@ __all__ = [
     "PROBE_ERROR_REASONS",
     "SCORE_BUCKETS",
     "GuardrailMetrics",
-    "probe_error_reason",
 ]
 
 NAMESPACE = "guardrail"
@@ -84,35 +84,9 @@ PROBE_DURATION_BUCKETS: tuple[float, ...] = (
 )
 # fmt: on
 
-# The fixed label values of ``guardrail_probe_errors_total{reason}``: the prefix of the error
-# message (worker: "plan:", "layer N:", "probe:", "aggregate:"; engine: "missing:",
-# "incomplete:"; guard: "engine:" for a request lost because the engine died), and "other" for
-# anything else.
-PROBE_ERROR_REASONS: tuple[str, ...] = (
-    "plan", "layer", "probe", "aggregate", "missing", "incomplete", "engine", "other",
-)  # fmt: skip
-
-
-def probe_error_reason(error: str) -> str:
-    """Map a probe error message to one of ``PROBE_ERROR_REASONS``.
-
-    Example:
-        >>> probe_error_reason("layer 3: RuntimeError: fault injected for testing")
-        'layer'
-        >>> probe_error_reason("missing: the probe returned no score for this request")
-        'missing'
-        >>> probe_error_reason("engine: the engine died during the call (...)")
-        'engine'
-        >>> probe_error_reason("segfault in a kernel")
-        'other'
-    """
-    prefix, colon, _ = error.partition(":")
-    if not colon:
-        return "other"
-    word, _, number = prefix.strip().partition(" ")
-    if word == "layer":
-        return "layer" if number.isdigit() else "other"
-    return word if word in PROBE_ERROR_REASONS and not number else "other"
+# The fixed label values of ``guardrail_probe_errors_total{reason}``: every ``ProbeErrorReason``,
+# taken from the verdict's ``probe_error_reason`` (never from its message).
+PROBE_ERROR_REASONS: tuple[str, ...] = tuple(reason.value for reason in ProbeErrorReason)
 
 
 def _installed_version(*distributions: str) -> str:
@@ -311,7 +285,8 @@ class GuardrailMetrics:
         Every score of ``verdict.scores`` is observed in ``guardrail_probe_score`` under its signal
         name (non-finite scores are left out), and the probe duration once per scored request
         (``scores`` not empty). A request with ``probe_error`` counts once in
-        ``guardrail_probe_errors_total``; a request with more than one attempt counts once in
+        ``guardrail_probe_errors_total``, under its ``probe_error_reason`` (``other`` when it has
+        none); a request with more than one attempt counts once in
         ``guardrail_retried_requests_total``.
 
         Example:
@@ -320,7 +295,8 @@ class GuardrailMetrics:
             >>> registry = CollectorRegistry()
             >>> metrics = GuardrailMetrics(registry)
             >>> metrics.observe_verdict(Verdict(request_id="7", action=Action.BLOCK, decisions=[],
-            ...     focus=None, probe_error="layer 2: RuntimeError: x", reason="failed"), "m")
+            ...     focus=None, probe_error="layer 2: RuntimeError: x", probe_error_reason="layer",
+            ...     reason="failed"), "m")
             >>> registry.get_sample_value("guardrail_probe_errors_total",
             ...                           {"model_name": "m", "reason": "layer"})
             1.0
@@ -342,7 +318,8 @@ class GuardrailMetrics:
         if verdict.scores:
             self.probe_duration.labels(model).observe(verdict.probe_latency_s)
         if verdict.probe_error is not None:
-            self.probe_errors.labels(model, probe_error_reason(verdict.probe_error)).inc()
+            reason = verdict.probe_error_reason or ProbeErrorReason.OTHER
+            self.probe_errors.labels(model, reason.value).inc()
         if len(verdict.attempts) > 1:
             self.retried_requests.labels(model, action).inc()
         if verdict.beyond_calibration is not None:

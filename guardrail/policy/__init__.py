@@ -26,6 +26,7 @@ from guardrail.policy.kinds import (
 from guardrail.policy.reading import Reading
 from guardrail.policy.retry import AttemptRecord, RetrySettings, attempt_steering, final_verdict
 from guardrail.policy.verdict import Action, Attempt, FailureMode, PolicyDecision, Verdict
+from guardrail.protocol import ProbeErrorReason
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -40,6 +41,7 @@ __all__ = [
     "Policy",
     "PolicyDecision",
     "PolicyLike",
+    "ProbeErrorReason",
     "PromptInjectionPolicy",
     "Reading",
     "RetrySettings",

@@ -79,7 +79,7 @@ def decide(
     enforced = [d for d in decisions if not d.shadow]
     shadow = [d for d in decisions if d.shadow]
     action = strictest(enforced)
-    probe_error = reading.failed()
+    probe_error, error_reason = reading.failed(), reading.failure_reason()
     failure = None
     if any(d.failure is not None for d in enforced):
         failure = FailureMode.FAIL_CLOSED if action is Action.BLOCK else FailureMode.FAIL_OPEN
@@ -93,6 +93,7 @@ def decide(
         thresholds={d.policy: d.threshold for d in decisions if d.threshold is not None},
         head_scores={f"{layer}:{head}": s for (layer, head), s in reading.head_scores.items()},
         probe_error=probe_error,
+        probe_error_reason=error_reason,
         failure=failure,
         shadow_action=strictest(shadow) if shadow else None,
         stopped_early=reading.stopped_early,
@@ -100,7 +101,14 @@ def decide(
         data_spans=tuple(reading.data_spans),
         num_prompt_tokens=reading.num_prompt_tokens,
         probe_latency_s=reading.latency_s,
-        attempts=(Attempt(focus=focus, action=action, probe_error=probe_error),),
+        attempts=(
+            Attempt(
+                focus=focus,
+                action=action,
+                probe_error=probe_error,
+                probe_error_reason=error_reason,
+            ),
+        ),
         reason=_reason(action, enforced, shadow),
     )
 

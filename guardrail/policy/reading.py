@@ -1,7 +1,8 @@
 """``Reading``: everything a policy may decide on for one request.
 
 The probe's signals by name (today ``"focus"``, the attention probe's combined score; a second
-detector adds its own name), why the probe could not score if it could not, and the request's
+detector adds its own name), why the probe could not score if it could not (a message, and its
+``ProbeErrorReason``, which is what code reads), and the request's
 own content as the caller marked it (trusted instruction text, untrusted data), so a text-only
 policy needs no engine at all.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 from guardrail.probe.prompts import Segment
 from guardrail.probe.scoring import FOCUS
+from guardrail.protocol import ProbeErrorReason
 
 __all__ = ["FOCUS", "Reading"]
 
@@ -32,6 +34,7 @@ class Reading:
 
     signals: Mapping[str, float] = field(default_factory=dict)
     error: str | None = None  # why the probe could not score (then ``signals`` is empty)
+    error_reason: ProbeErrorReason | None = None  # the category of ``error``
     head_scores: Mapping[tuple[int, int], float] = field(default_factory=dict)
     segments: Sequence[Segment] = ()
     instruction_spans: Sequence[tuple[int, int]] = ()
@@ -64,3 +67,19 @@ class Reading:
         if value is None or not math.isfinite(value):
             return f"no usable score ({signal}={value})"
         return None
+
+    def failure_reason(self, signal: str = FOCUS) -> ProbeErrorReason | None:
+        """The category of ``failed(signal)``: the error's own ``error_reason``, and ``OTHER``
+        for an error without one or a missing or non-finite score (None when it has a value).
+
+        Example:
+            >>> Reading(error="boom", error_reason=ProbeErrorReason.LAYER).failure_reason()
+            <ProbeErrorReason.LAYER: 'layer'>
+            >>> Reading(signals={"focus": float("nan")}).failure_reason()
+            <ProbeErrorReason.OTHER: 'other'>
+            >>> Reading(signals={"focus": 0.4}).failure_reason() is None
+            True
+        """
+        if self.error is not None:
+            return self.error_reason or ProbeErrorReason.OTHER
+        return None if self.failed(signal) is None else ProbeErrorReason.OTHER

@@ -147,6 +147,7 @@ def final_verdict(attempts: Sequence[AttemptRecord], settings: RetrySettings) ->
             action=a.verdict.action,
             steered=a.steering is not None,
             probe_error=a.verdict.probe_error,
+            probe_error_reason=a.verdict.probe_error_reason,
             steering=describe(a.steering, a.steering_error),
             tokens_steered=a.tokens_steered,
         )

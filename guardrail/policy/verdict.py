@@ -18,6 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
+from guardrail.protocol import ProbeErrorReason
+
 
 class Action(StrEnum):
     """What happens to a request. Precedence when several policies disagree: block > retry >
@@ -72,6 +74,7 @@ class Attempt(BaseModel):
     action: Action
     steered: bool = False
     probe_error: str | None = None
+    probe_error_reason: ProbeErrorReason | None = None  # the category of ``probe_error``
     steering: str | None = None  # the steering used, e.g. "vector (adjust_rs, c=1)"
     tokens_steered: int = 0
 
@@ -96,7 +99,8 @@ class Verdict(BaseModel):
     scores: dict[str, float] = Field(default_factory=dict)  # signal name -> score (when scored)
     thresholds: dict[str, float] = Field(default_factory=dict)  # policy name -> threshold
     head_scores: dict[str, float] = Field(default_factory=dict)  # "layer:head" -> focus
-    probe_error: str | None = None
+    probe_error: str | None = None  # why the probe could not score, for people
+    probe_error_reason: ProbeErrorReason | None = None  # its category, for code and metrics
     failure: FailureMode | None = None
     shadow_action: Action | None = None
     stopped_early: bool = False

@@ -29,7 +29,7 @@ from guardrail.engine.types import GuardedOutput, ProbeResult, per_request
 from guardrail.errors import ConfigError, GuardrailError
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt, RequestLike, prepare_prompt
-from guardrail.protocol import ModelInfo
+from guardrail.protocol import ModelInfo, ProbeErrorReason
 from guardrail.steering.spec import Steering, SteeringLike, SteeringReport
 from guardrail.steering.vector import SteeringVector, load_steering_vector
 
@@ -175,10 +175,7 @@ class FakeEngine:
         request_key = key.split("~")[0]
         attempt = self._attempts.get(request_key, 0) + 1
         self._attempts[request_key] = attempt
-        error = "probe: RuntimeError: fault injected for testing" if key in self.faults else None
-        focus = None if error else self.focus(prepared, attempt)
-        if error is None and focus is None:
-            error = "missing: the probe returned no score for this request"
+        focus, error, reason = self._score(prepared, key, attempt)
         stopped = stop_below is not None and (
             (focus is not None and focus <= stop_below) or (focus is None and stop_on_error)
         )
@@ -205,12 +202,28 @@ class FakeEngine:
             probe=ProbeResult(
                 focus=focus,
                 error=error,
+                error_reason=reason,
                 num_prompt_tokens=len(prepared.token_ids),
                 probe_seconds=0.001,
                 stopped=stopped,
             ),
             steering=report,
         )
+
+    def _score(
+        self, prepared: PreparedPrompt, key: str, attempt: int
+    ) -> tuple[float | None, str | None, ProbeErrorReason | None]:
+        """``(focus, error, reason)`` of one request, failed as the real engine fails it: a
+        fault in its first hooked layer (``LAYER``), no focus ``MISSING``."""
+        if key in self.faults:
+            first = min(layer for layer, _ in self.config.heads)
+            message = f"layer {first}: RuntimeError: fault injected for testing"
+            return None, message, ProbeErrorReason.LAYER
+        focus = self.focus(prepared, attempt)
+        if focus is None:
+            message = "missing: the probe returned no score for this request"
+            return None, message, ProbeErrorReason.MISSING
+        return focus, None, None
 
     def close(self) -> None:
         self.closed = True

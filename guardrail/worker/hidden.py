@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
+from guardrail.protocol import ProbeErrorReason
 from guardrail.worker.forward import decoder_layers, step_metadata
 from guardrail.worker.rows import StepRows
 
@@ -159,7 +160,8 @@ def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
             if probe.plan(runner, context, metadata):
                 reader.read(probe.rows, hidden, residual)
         except Exception as exc:  # recorded for the step's rows
-            probe.rows.fail_all(f"hidden layer {reader.index}: {type(exc).__name__}: {exc}")
+            message = f"hidden layer {reader.index}: {type(exc).__name__}: {exc}"
+            probe.rows.fail_all(message, ProbeErrorReason.HIDDEN)
         probe.probe_seconds += time.perf_counter() - started
         if probe.rows and probe.finish_on_hidden and reader.index == probe.last_layer:
             probe.finish_step()

@@ -20,9 +20,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from guardrail.protocol import PROBE_ARG, ProbeSpec
+from guardrail.protocol import PROBE_ARG, ProbeErrorReason, ProbeSpec
 
-__all__ = ["FLAG_MESSAGES", "HostStaging", "StepRows", "batch_layout", "check_slots", "plan_rows"]
+__all__ = [
+    "FLAG_MESSAGES",
+    "FLAG_REASONS",
+    "HostStaging",
+    "StepRows",
+    "batch_layout",
+    "check_slots",
+    "plan_rows",
+]
 
 FLAG_MESSAGES = (
     "probe: KV cache layout check failed: cached key of the last prompt token differs from the "
@@ -34,6 +42,13 @@ FLAG_MESSAGES = (
     "probe: another tensor-parallel rank failed to score",
 )
 """What each column of ``StepRows.flags`` means, as the row's error."""
+FLAG_REASONS = (
+    ProbeErrorReason.PROBE,
+    ProbeErrorReason.PLAN,
+    ProbeErrorReason.HIDDEN,
+    ProbeErrorReason.PROBE,
+)
+"""The ``ProbeErrorReason`` of each column of ``StepRows.flags``."""
 LAYOUT, SLOT, NONFINITE, OTHER_RANK = range(len(FLAG_MESSAGES))
 
 
@@ -46,6 +61,7 @@ class StepRows:
     batch_index: list[int] = field(default_factory=list)
     num_prompt_tokens: list[int] = field(default_factory=list)
     errors: list[str | None] = field(default_factory=list)
+    reasons: list[ProbeErrorReason | None] = field(default_factory=list)  # one per ``errors``
     stop_below: list[float | None] = field(default_factory=list)
     stop_on_error: list[bool] = field(default_factory=list)
     stop_token: list[int | None] = field(default_factory=list)
@@ -78,10 +94,12 @@ class StepRows:
         assert self.flags is not None
         self.flags[:, column] |= failed
 
-    def fail_all(self, message: str) -> None:
-        """Every row of the step fails with ``message`` (an error in the batched code)."""
+    def fail_all(self, message: str, reason: ProbeErrorReason) -> None:
+        """Every row of the step fails with ``message`` and ``reason`` (an error in the batched
+        code); a row that had already failed keeps its own."""
         for i, error in enumerate(self.errors):
-            self.errors[i] = error or message
+            if error is None:
+                self.errors[i], self.reasons[i] = message, reason
         self.ok = []
 
 
@@ -101,6 +119,7 @@ def batch_layout(runner: Any, metadata: Any) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _spec_error(spec: ProbeSpec, n: int) -> str | None:
+    """Why the request's spans do not fit its prompt (a ``PLAN`` error), or None."""
     if spec.get("num_prompt_tokens", n) != n:
         return (
             f"plan: ValueError: engine saw {n} prompt tokens, request spans were made for "
@@ -122,18 +141,21 @@ def plan_rows(
     staging: HostStaging,
 ) -> StepRows:
     """The step's rows from ``found`` = [(batch index, token row of the last prompt token,
-    vLLM's request state)], with their device tensors built in a handful of copies."""
+    vLLM's request state)], with their device tensors built in a handful of copies. A request
+    whose key is in ``faults`` fails with ``fault_message`` as a hooked layer would (``LAYER``)."""
     rows = StepRows()
     for batch_index, _, state in found:
         spec: ProbeSpec = state.sampling_params.extra_args[PROBE_ARG]
         n = int(state.num_prompt_tokens)
         error = _spec_error(spec, n)
+        reason = None if error is None else ProbeErrorReason.PLAN
         if error is None and spec["key"] in faults:
-            error = fault_message
+            error, reason = fault_message, ProbeErrorReason.LAYER
         rows.keys.append(spec["key"])
         rows.batch_index.append(batch_index)
         rows.num_prompt_tokens.append(n)
         rows.errors.append(error)
+        rows.reasons.append(reason)
         rows.stop_below.append(spec.get("stop_below"))
         rows.stop_on_error.append(spec.get("stop_on_error", True))
         token = spec.get("stop_token")

@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry
 from guardrail.errors import ConfigError, EngineDeadError, RequestError
 from guardrail.guard import GuardedLLM
 from guardrail.metrics import GuardrailMetrics
-from guardrail.policy import FailureMode
+from guardrail.policy import FailureMode, ProbeErrorReason
 from tests.helpers import (
     FILLER,
     engine_processes,
@@ -122,7 +122,7 @@ def test_engine_core_killed_mid_batch_fails_the_batch_closed_within_seconds(tiny
         for result in results:
             assert result.verdict is not None and result.verdict.blocked
             assert result.verdict.failure is FailureMode.FAIL_CLOSED
-            assert (result.verdict.probe_error or "").startswith("engine: ")
+            assert result.verdict.probe_error_reason is ProbeErrorReason.ENGINE
             assert result.text == "" and result.token_ids == () and not result.ok
         value = registry.get_sample_value
         assert value("guardrail_requests_total", {"model_name": "tiny", "action": "block"}) == 8
@@ -362,9 +362,8 @@ def test_a_probe_fault_fails_closed_for_that_request_alone(faults_cleared):
     results = guard.generate(REQUESTS[:4], engine.sampling(max_tokens=4), request_ids=ids)
     faulty = results[1].verdict
     assert faulty is not None and faulty.blocked and faulty.failure is FailureMode.FAIL_CLOSED
-    assert (faulty.probe_error or "").startswith("layer ") and "fault injected" in (
-        faulty.probe_error or ""
-    )
+    assert faulty.probe_error_reason is ProbeErrorReason.LAYER  # from the worker, as data
+    assert "fault injected" in (faulty.probe_error or "")
     assert results[1].text == guard.refusal_text
     for i in (0, 2, 3):
         verdict = results[i].verdict
@@ -389,6 +388,7 @@ def test_a_wrong_kv_reader_is_caught_by_the_live_layout_check(tiny_engine):
     for out in outs:
         assert out.probe.focus is None
         assert "KV cache layout check failed" in (out.probe.error or "")
+        assert out.probe.error_reason is ProbeErrorReason.PROBE
     again = tiny_engine.generate(REQUESTS[:1], tiny_engine.sampling(max_tokens=2))[0]
     assert again.probe.error is None and again.probe.focus is not None
 
@@ -407,7 +407,8 @@ def test_results_evicted_from_a_full_store_are_missing_never_another_score(
     assert len(missing) >= len(REQUESTS) - 3
     for output, focus in zip(outputs, reference, strict=True):
         if output.index in missing:
-            assert output.probe.error.startswith("missing:") and output.probe.focus is None
+            assert output.probe.error_reason is ProbeErrorReason.MISSING
+            assert output.probe.focus is None
         else:  # a kept result is its own request's score, never another's
             assert output.probe.focus == pytest.approx(focus, abs=1e-6)
     guarded = GuardedLLM.from_engine(tiny_engine).score(REQUESTS)

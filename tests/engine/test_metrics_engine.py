@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from guardrail.metrics.http import start_metrics_server
 from guardrail.metrics.recorder import SCORE_BUCKETS, GuardrailMetrics
 from guardrail.policy.verdict import Action
+from guardrail.protocol import ProbeErrorReason
 from tests.helpers import delta, sample, scrape
 
 MODEL = "tiny-llama"
@@ -78,7 +79,7 @@ def test_guarded_generations_move_scraped_metrics_by_exactly_the_expected_amount
 
     faulty = results[-2].verdict
     assert results[-1].error is not None  # the invalid request: no verdict, not counted
-    assert faulty is not None and (faulty.probe_error or "").startswith("layer")
+    assert faulty is not None and faulty.probe_error_reason is ProbeErrorReason.LAYER
     got = delta(before, after)
     blocked = sum(f <= block_at for f in reference_focus)
     flagged = sum(block_at < f <= flag_at for f in reference_focus)

@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from guardrail.engine.client import checked_probe_keys
+from guardrail.engine.client import ProbeClient, checked_probe_keys
 from guardrail.engine.types import STOP_IS, is_stop_value, per_request_checked
 from guardrail.engine.vllm_client import EngineHandle
 from guardrail.errors import (
@@ -33,6 +34,8 @@ from guardrail.guard import GuardedLLM
 from guardrail.metrics import GuardrailMetrics
 from guardrail.policy import Action, FailureMode
 from guardrail.probe.config import ModelProbeConfig
+from guardrail.probe.scoring import ATTENTION_STATS
+from guardrail.protocol import PoppedResults, ProbeErrorReason
 from guardrail.testing import FakeEngine
 
 CONFIG = ModelProbeConfig(model_id="tiny", heads=[(0, 0)], threshold=0.5)
@@ -171,8 +174,8 @@ def test_a_dead_engine_fails_every_request_closed_and_counts_them(tokenizer: Any
     for lost in (results[0], results[2]):
         assert lost.verdict is not None and lost.verdict.blocked
         assert lost.verdict.failure is FailureMode.FAIL_CLOSED
-        assert lost.verdict.probe_error is not None
-        assert lost.verdict.probe_error.startswith("engine: ")
+        assert lost.verdict.probe_error_reason is ProbeErrorReason.ENGINE
+        assert "died during the call" in (lost.verdict.probe_error or "")
         assert lost.text == "" and lost.token_ids == () and lost.error is caught.value
         assert not lost.ok
     value = registry.get_sample_value
@@ -264,3 +267,48 @@ def test_engine_commands_take_any_vllm_argument() -> None:
     ]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["check", "--engine-arg", "no-equals-sign"])
+
+
+# -- probe error reasons -------------------------------------------------------------------------
+def _popped(**results: Any) -> PoppedResults:
+    return {"heads": [[0, 0]], "results": results}
+
+
+def test_the_client_takes_the_workers_reason_and_names_its_own() -> None:
+    client = ProbeClient(CONFIG, tp_size=1, stop_token=None)
+    stats = np.full(len(ATTENTION_STATS), 0.5).tobytes()  # float64, as the worker sends them
+    ranks = [
+        _popped(
+            ok={"num_prompt_tokens": 4, "probe_seconds": 0.0, "stats": stats},
+            failed={
+                "num_prompt_tokens": 4,
+                "probe_seconds": 0.0,
+                "error": "reworded: nothing here says hidden",
+                "reason": "hidden",
+            },
+            bare={"num_prompt_tokens": 4, "probe_seconds": 0.0, "error": "hidden: no reason"},
+        )
+    ]
+    assert client.result(ranks, "ok").error_reason is None
+    failed = client.result(ranks, "failed")
+    assert failed.focus is None and failed.error == "reworded: nothing here says hidden"
+    assert failed.error_reason is ProbeErrorReason.HIDDEN
+    assert client.result(ranks, "bare").error_reason is ProbeErrorReason.OTHER  # never parsed
+    assert client.result(ranks, "absent").error_reason is ProbeErrorReason.MISSING
+    other_heads = ProbeClient(
+        ModelProbeConfig(model_id="tiny", heads=[(0, 0), (1, 0)], threshold=0.5),
+        tp_size=1,
+        stop_token=None,
+    )
+    assert other_heads.result(ranks, "ok").error_reason is ProbeErrorReason.INCOMPLETE
+
+
+def test_the_fake_engine_fails_with_the_real_engines_reasons(tokenizer: Any) -> None:
+    engine = FakeEngine(CONFIG, tokenizer, lambda p, attempt: None if "zzq" in p.text else 0.9)
+    engine.set_probe_faults(["fault"])
+    requests = [("Summarize.", "hello"), ("Summarize.", "hello"), ("Summarize.", "zzq")]
+    fault, ok, unscored = engine.generate(requests, probe_keys=["fault", "ok", "none"])
+    assert fault.probe is not None and ok.probe is not None and unscored.probe is not None
+    assert fault.probe.error_reason is ProbeErrorReason.LAYER  # the worker fails a hooked layer
+    assert ok.probe.error is None and ok.probe.error_reason is None
+    assert unscored.probe.error_reason is ProbeErrorReason.MISSING

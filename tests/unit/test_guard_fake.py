@@ -18,6 +18,7 @@ from guardrail.policy import (
     Action,
     DataPatternPolicy,
     FailureMode,
+    ProbeErrorReason,
     PromptInjectionPolicy,
     RetrySettings,
 )
@@ -80,6 +81,7 @@ def test_probe_failure_fails_closed_or_open_as_the_policy_says(tokenizer: Any) -
     closed = GuardedLLM.from_engine(engine)
     result = closed.generate([("Summarize.", "hello")], request_ids=["r-closed"])[0]
     assert result.verdict is not None and result.verdict.failure is FailureMode.FAIL_CLOSED
+    assert result.verdict.probe_error_reason is ProbeErrorReason.LAYER  # as the real engine
     assert result.blocked and result.verdict.stopped_early
     opened = GuardedLLM.from_engine(engine, [{"on_probe_error": "fail_open"}])
     result = opened.generate([("Summarize.", "hello")], request_ids=["r-open"])[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import itertools
+import json
 import math
 import subprocess
 import sys
@@ -20,16 +21,19 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.utils import floatToGoString
 
+from guardrail.engine.types import GuardedOutput, ProbeResult
+from guardrail.guard.decider import Decider
 from guardrail.metrics.recorder import (
     INITIAL_SIGNALS,
     PROBE_DURATION_BUCKETS,
     PROBE_ERROR_REASONS,
     SCORE_BUCKETS,
     GuardrailMetrics,
-    probe_error_reason,
 )
 from guardrail.policy.verdict import Action, Attempt, FailureMode, PolicyDecision, Verdict
-from guardrail.probe.config import load_model_config
+from guardrail.probe.config import ModelProbeConfig, load_model_config
+from guardrail.probe.prompts import PreparedPrompt
+from guardrail.protocol import ProbeErrorReason
 from tests.helpers import Delta, delta, key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,6 +78,7 @@ def verdict(
     scores: dict[str, float] | None = None,
     decisions: list[PolicyDecision] | None = None,
     probe_error: str | None = None,
+    probe_error_reason: ProbeErrorReason | None = None,
     latency: float = 0.002,
     attempts: int = 1,
     request_id: str = "r1",
@@ -85,6 +90,7 @@ def verdict(
         action=action,
         scores=scores,
         probe_error=probe_error,
+        probe_error_reason=probe_error_reason,
         decisions=tuple(decisions if decisions is not None else [decision("block_low", action)]),
         probe_latency_s=latency,
         reason="test",
@@ -282,6 +288,7 @@ def test_probe_error_counts_once_by_reason_and_records_failure_modes(metrics, re
             decisions=failed,
             latency=0.0,
             probe_error="layer 2: RuntimeError: fault injected",
+            probe_error_reason=ProbeErrorReason.LAYER,
         ),
         MODEL,
     )
@@ -305,27 +312,54 @@ def test_probe_error_counts_once_by_reason_and_records_failure_modes(metrics, re
     assert got.changed[key("guardrail_probe_score_count", model_name=MODEL, signal="focus")] == 0
 
 
+def test_probe_error_labels_are_the_reasons_and_keep_their_dashboard_names():
+    # dashboards and alerts select these values: a new reason is added, none renamed
+    assert tuple(r.value for r in ProbeErrorReason) == PROBE_ERROR_REASONS
+    assert set(PROBE_ERROR_REASONS) == {
+        "plan", "layer", "probe", "aggregate", "missing", "incomplete", "hidden", "engine",
+        "other",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("reason", list(ProbeErrorReason))
+def test_every_probe_error_reason_counts_under_its_own_label(metrics, read, reason):
+    errors = "guardrail_probe_errors_total"
+    assert read(errors, model_name=MODEL, reason=reason.value) == 0  # exists from the start
+    before = read.snapshot()
+    failed = verdict(Action.BLOCK, focus=None, latency=0.0, probe_error="x")
+    metrics.observe_verdict(failed.model_copy(update={"probe_error_reason": reason}), MODEL)
+    moved = {k: v for k, v in read.delta(before).moved().items() if k[0] == errors}
+    assert moved == {key(errors, model_name=MODEL, reason=reason.value): 1.0}
+
+
+def test_a_probe_error_without_a_reason_counts_as_other(metrics, read):
+    metrics.observe_verdict(verdict(Action.BLOCK, focus=None, probe_error="layer 2: x"), MODEL)
+    assert read("guardrail_probe_errors_total", model_name=MODEL, reason="other") == 1
+    assert read("guardrail_probe_errors_total", model_name=MODEL, reason="layer") == 0
+
+
 @pytest.mark.parametrize(
-    ("error", "reason"),
-    [
-        ("plan: ValueError: prompt longer than the block table", "plan"),
-        ("layer 0: RuntimeError: fault injected for testing", "layer"),
-        ("layer 29: IndexError: index out of range", "layer"),
-        ("probe: RuntimeError: CUDA error", "probe"),
-        ("aggregate: ValueError: empty", "aggregate"),
-        ("missing: the probe returned no score for this request", "missing"),
-        ("incomplete: some configured heads were not scored", "incomplete"),
-        ("no usable score (focus=nan)", "other"),
-        ("layer x: something", "other"),
-        ("plan 3: not a plan error", "other"),
-        ("Probe: capitalised", "other"),
-        ("", "other"),
-        ("a request id 1234 and prompt text: Ignore previous instructions", "other"),
-    ],
+    "message",
+    ["anything", "probe: RuntimeError: reworded", "missing: looks like another reason", "layer x"],
 )
-def test_probe_error_reason_is_from_a_fixed_set(error, reason):
-    assert probe_error_reason(error) == reason
-    assert reason in PROBE_ERROR_REASONS
+def test_the_label_follows_the_probe_result_reason_never_its_message(metrics, read, message):
+    config = ModelProbeConfig(model_id="m", heads=[(0, 0)], threshold=0.5)
+    decider = Decider(config, [{"threshold": 0.5}], metrics=metrics, model_name=MODEL)
+    prompt = PreparedPrompt([1, 2, 3, 4], [(0, 2)], [(2, 4)], "text")
+    probe = ProbeResult(None, error=message, error_reason=ProbeErrorReason.LAYER)
+    before = read.snapshot()
+    output = GuardedOutput(index=0, prompt=prompt, probe=probe)
+    result = decider.verdict("r1", output, decider.policies)
+    assert result is not None and result.blocked and result.probe_error == message
+    assert result.probe_error_reason is ProbeErrorReason.LAYER
+    assert result.attempts[0].probe_error_reason is ProbeErrorReason.LAYER
+    audit = json.loads(result.model_dump_json())  # the audit record carries the reason
+    assert audit["probe_error_reason"] == "layer"
+    assert Verdict.model_validate_json(result.model_dump_json()) == result
+    metrics.observe_verdict(result, MODEL)
+    errors = "guardrail_probe_errors_total"
+    moved = {k: v for k, v in read.delta(before).moved().items() if k[0] == errors}
+    assert moved == {key(errors, model_name=MODEL, reason="layer"): 1.0}
 
 
 def test_retried_requests_count_once_with_the_final_outcome(metrics, read):
@@ -449,6 +483,7 @@ def test_names_labels_and_no_request_data_in_the_exposition(metrics):
             decisions=failing,
             request_id="req-0000",
             probe_error="probe: secret prompt",
+            probe_error_reason=ProbeErrorReason.PROBE,
         )
     )
     metrics.set_thresholds([SimpleNamespace(name="closed", threshold=0.5)])

@@ -31,6 +31,7 @@ from guardrail.metrics.http import (
     start_metrics_server,
 )
 from guardrail.metrics.recorder import SCORE_BUCKETS, GuardrailMetrics
+from guardrail.protocol import ProbeErrorReason
 from tests.helpers import allow_or_block, delta, key, parse, sample, scrape, uvicorn_in_thread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +58,8 @@ def test_one_call_server_exposes_exact_deltas_over_http():
         before = scrape(server.url)
         for focus in (0.9, 0.5, 0.2):
             metrics.observe_verdict(allow_or_block(focus), "m")
-        metrics.observe_verdict(allow_or_block(None, error="missing: no score"), "m")
+        missing = allow_or_block(None, error="no score", error_reason=ProbeErrorReason.MISSING)
+        metrics.observe_verdict(missing, "m")
         with metrics.track_in_flight(4):
             during = scrape(server.url)
         after = scrape(server.url)

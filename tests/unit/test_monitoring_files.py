@@ -104,6 +104,7 @@ def exported() -> dict[str, set[str]]:
             decisions=(failed,),
             scores={"focus": 0.4},
             probe_error="probe: x",
+            probe_error_reason="probe",
             reason="x",
             attempts=(Attempt(focus=0.4, action=Action.ALLOW),) * 2,
         )

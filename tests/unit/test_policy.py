@@ -14,6 +14,7 @@ from guardrail.errors import ConfigError
 from guardrail.policy import (
     NEVER_BY_SCORE,
     DataPatternPolicy,
+    ProbeErrorReason,
     PromptInjectionPolicy,
     Reading,
     RetrySettings,
@@ -321,10 +322,17 @@ def test_shadow_policies_are_recorded_never_enforced() -> None:
 
 
 def test_failure_recorded_in_verdict() -> None:
-    reading = Reading(error="probe: RuntimeError: fault injected for testing")
+    reading = Reading(
+        error="probe: RuntimeError: fault injected for testing",
+        error_reason=ProbeErrorReason.LAYER,  # the reason is data: never read off the message
+    )
     closed = decide([BLOCK], reading, request_id="r")
     assert (closed.action, closed.failure) == (Action.BLOCK, FailureMode.FAIL_CLOSED)
     assert closed.probe_error == reading.error and closed.focus is None
+    assert closed.probe_error_reason is ProbeErrorReason.LAYER
+    assert closed.attempts[0].probe_error_reason is ProbeErrorReason.LAYER
+    assert json.loads(closed.model_dump_json())["probe_error_reason"] == "layer"
+    assert Verdict.model_validate_json(closed.model_dump_json()) == closed
     open_policy = BLOCK.model_copy(update={"on_probe_error": FailureMode.FAIL_OPEN})
     opened = decide([open_policy], reading, request_id="r")
     assert (opened.action, opened.failure) == (Action.ALLOW, FailureMode.FAIL_OPEN)
@@ -334,6 +342,8 @@ def test_failure_recorded_in_verdict() -> None:
     # A non-finite score is a failure too, and never reaches the JSON record.
     nan = decide([BLOCK], at(math.nan), request_id="r")
     assert nan.blocked and nan.focus is None and nan.attempts[0].focus is None
+    assert nan.probe_error_reason is ProbeErrorReason.OTHER
+    assert decide([BLOCK], at(0.9), request_id="r").probe_error_reason is None
     assert Verdict.model_validate_json(nan.model_dump_json()) == nan
 
 

@@ -27,6 +27,7 @@ EXPECTED = {
     "ModelUnavailableError",
     "PolicyDecision",
     "PreparedPrompt",
+    "ProbeErrorReason",
     "ProbeResult",
     "PromptInjectionBlocked",
     "PromptInjectionPolicy",

@@ -10,6 +10,7 @@ import pytest
 from guardrail.errors import ConfigError
 from guardrail.policy import (
     AttemptRecord,
+    ProbeErrorReason,
     PromptInjectionPolicy,
     Reading,
     RetrySettings,
@@ -81,6 +82,15 @@ def test_failed_steering_takes_the_fallback_and_says_why() -> None:
     assert "fallback: steering failed" in verdict.reason
     blocked = [AttemptRecord(_verdict(0.3)), AttemptRecord(_verdict(0.1), STEER, 10, "boom")]
     assert final_verdict(blocked, RetrySettings(fallback=Action.FLAG)).action is Action.BLOCK
+
+
+def test_each_attempt_keeps_its_probe_error_reason() -> None:
+    unscored = Reading(error="lost", error_reason=ProbeErrorReason.MISSING)
+    second = decide([RETRY, BLOCK], unscored, request_id="r1")
+    history = [AttemptRecord(_verdict(0.3)), AttemptRecord(second, STEER, 5)]
+    verdict = final_verdict(history, RetrySettings())
+    assert [a.probe_error_reason for a in verdict.attempts] == [None, ProbeErrorReason.MISSING]
+    assert verdict.probe_error_reason is ProbeErrorReason.MISSING and verdict.blocked
 
 
 # -- strict, finite settings (issue "Reliability and security", item 5) ------------------------

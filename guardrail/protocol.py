@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, NotRequired, TypedDict
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "CaptureSpec",
     "ModelInfo",
     "PoppedResults",
+    "ProbeErrorReason",
     "ProbeResultData",
     "ProbeSpec",
     "SteerReportData",
@@ -112,15 +114,38 @@ class CaptureSpec(TypedDict):
     key: str
 
 
+class ProbeErrorReason(StrEnum):
+    """Why the probe could not score a request: the category every probe error carries next to
+    its message, written where the error is made. Its values are the ``reason`` label of
+    ``guardrail_probe_errors_total`` (docs/metrics.md); the message is for people, and nothing
+    parses it.
+
+    Example:
+        >>> ProbeErrorReason("layer") is ProbeErrorReason.LAYER, str(ProbeErrorReason.LAYER)
+        (True, 'layer')
+    """
+
+    PLAN = "plan"  # planning the request's key gather (spans, the KV slot check)
+    LAYER = "layer"  # a hooked attention layer failed (also a fault injected for testing)
+    PROBE = "probe"  # scoring the step failed (the KV layout check, another rank's failure)
+    AGGREGATE = "aggregate"  # combining head scores failed (kept for dashboards; none today)
+    MISSING = "missing"  # no score came back for the request
+    INCOMPLETE = "incomplete"  # some configured heads or hidden layers were not scored
+    HIDDEN = "hidden"  # reading a hidden layer failed, or its logit term is not finite
+    ENGINE = "engine"  # the engine died before the request was answered
+    OTHER = "other"  # anything else, e.g. a non-finite score
+
+
 class ProbeResultData(TypedDict):
     """One request's probe result, popped by key (``RPC_POP_RESULTS``), from one rank."""
 
     num_prompt_tokens: int
     probe_seconds: float
-    stats: NotRequired[list[float]]  # every head's stats, flat, in ``PoppedResults.heads`` order
+    stats: NotRequired[bytes]  # every head's stats, float64, flat, in ``PoppedResults.heads`` order
     error: NotRequired[str]  # why the probe could not score (the request is then unscored)
+    reason: NotRequired[str]  # the error's ``ProbeErrorReason`` value (set with ``error``)
     hidden: NotRequired[list[list[Any]]]  # [[layer, logit term], ...]: the config's hidden part
-    hidden_states: NotRequired[list[list[Any]]]  # [[layer, [stream...]], ...]: raw (calibration)
+    hidden_states: NotRequired[list[list[Any]]]  # [[layer, float64 bytes], ...]: raw (calibration)
     data_mean_states: NotRequired[list[list[Any]]]  # the same, averaged over the data tokens
     focus: NotRequired[float]  # computed in the worker when it decided an early stop
     stopped: NotRequired[bool]  # ended right after prefill

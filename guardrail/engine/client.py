@@ -11,8 +11,10 @@ Example:
     >>> from guardrail.probe.config import ModelProbeConfig
     >>> client = ProbeClient(ModelProbeConfig(model_id="m", heads=[(0, 0)]), tp_size=1,
     ...                      stop_token=2)
+    >>> import numpy as np
+    >>> stats = np.array([0.6, 0.2, 0.1, 0.1, 0.5]).tobytes()  # float64, as the worker sends
     >>> rank = {"heads": [[0, 0]], "results": {"k": {"num_prompt_tokens": 5, "probe_seconds": 0.001,
-    ...                                             "stats": [0.6, 0.2, 0.1, 0.1, 0.5]}}}
+    ...                                             "stats": stats}}}
     >>> round(client.result([rank], "k").focus, 3)
     0.75
 """
@@ -37,7 +39,7 @@ from guardrail.errors import ConfigError, GuardrailError, RequestError
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, focus_of
-from guardrail.protocol import PROBE_ARG, PoppedResults, ProbeSpec
+from guardrail.protocol import PROBE_ARG, PoppedResults, ProbeErrorReason, ProbeSpec
 
 __all__ = [
     "PerRequestArgs",
@@ -214,6 +216,7 @@ class ProbeClient:
         streams: dict[int, tuple[float, ...]] = {}
         means: dict[int, tuple[float, ...]] = {}
         error: str | None = None
+        reason: ProbeErrorReason | None = None
         num_prompt_tokens, seconds, stopped = 0, 0.0, False
         scores: dict[HeadKey, float] = {}
         config_stats: np.ndarray | None = None  # the config's heads, from a rank holding all
@@ -221,29 +224,33 @@ class ProbeClient:
             found = rank["results"].get(key)
             if found is None:
                 continue
-            error = error or found.get("error")
+            if error is None and found.get("error"):  # the first rank's error wins
+                error = found["error"]
+                reason = ProbeErrorReason(found.get("reason", ProbeErrorReason.OTHER))
             num_prompt_tokens = found["num_prompt_tokens"]
             seconds = max(seconds, found["probe_seconds"])
             stopped = stopped or bool(found.get("stopped"))
             flat = found.get("stats")
             if flat is not None:  # len(ATTENTION_STATS) values per head, in the rank's order
                 order = self._order(rank["heads"])
-                table = np.array(flat, dtype=np.float64).reshape(-1, len(ATTENTION_STATS))
+                table = np.frombuffer(flat, dtype=np.float64).reshape(-1, len(ATTENTION_STATS))
                 if config_stats is None and order.config_rows is not None:
                     config_stats = table[order.config_rows]
-                per_head = [iter(flat)] * len(ATTENTION_STATS)
-                heads.update(zip(order.heads, zip(*per_head, strict=False), strict=True))
+                heads.update(zip(order.heads, map(tuple, table.tolist()), strict=True))
                 scores.update(zip(order.heads, focus_of(table).tolist(), strict=True))
             # the stream between layers is the same on every tensor-parallel rank
             hidden.update((int(layer), float(term)) for layer, term in found.get("hidden", []))
-            streams.update((int(lay), tuple(x)) for lay, x in found.get("hidden_states", []))
-            means.update((int(lay), tuple(x)) for lay, x in found.get("data_mean_states", []))
+            streams.update((int(lay), _floats(x)) for lay, x in found.get("hidden_states", []))
+            means.update((int(lay), _floats(x)) for lay, x in found.get("data_mean_states", []))
         if error is None and not heads:
             error = "missing: the probe returned no score for this request"
+            reason = ProbeErrorReason.MISSING
         elif error is None and not self._config_heads <= heads.keys():
             error = "incomplete: some configured heads were not scored"
+            reason = ProbeErrorReason.INCOMPLETE
         elif error is None and any(lay not in hidden for lay in self.config.hidden_layers):
             error = "incomplete: some configured hidden layers were not read"
+            reason = ProbeErrorReason.INCOMPLETE
         focus = None
         if error is None and config_stats is not None:  # from one array: no dict per head
             focus = self.config.focus_of_stats(config_stats, hidden)
@@ -257,6 +264,7 @@ class ProbeClient:
             hidden_states=streams,
             data_mean_states=means,
             error=error,
+            error_reason=reason,
             num_prompt_tokens=num_prompt_tokens,
             probe_seconds=seconds,
             stopped=stopped,
@@ -276,6 +284,11 @@ class ProbeClient:
         order = _HeadOrder(heads, rows)
         self._last_order = (wire, order)
         return order
+
+
+def _floats(data: bytes) -> tuple[float, ...]:
+    """A float64 vector as it travels from the worker (``ProbeResultData``)."""
+    return tuple(np.frombuffer(data, dtype=np.float64).tolist())
 
 
 @dataclass(frozen=True)

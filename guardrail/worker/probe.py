@@ -33,10 +33,11 @@ from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.device_focus import DeviceFocus
 from guardrail.probe.kv_layout import KeyGather, key_gather_for
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, batched_logits, stats_from_logits
-from guardrail.protocol import MAX_STORED_RESULTS, PROBE_ARG, ProbeResultData
+from guardrail.protocol import MAX_STORED_RESULTS, PROBE_ARG, ProbeErrorReason, ProbeResultData
 from guardrail.worker.hidden import HiddenReader, install_hidden
 from guardrail.worker.rows import (
     FLAG_MESSAGES,
+    FLAG_REASONS,
     LAYOUT,
     NONFINITE,
     OTHER_RANK,
@@ -282,7 +283,7 @@ class Probe:
             try:
                 table, focus = self._device_table(rows)
             except Exception as exc:  # recorded for the step's rows, never raised into vLLM
-                rows.fail_all(f"probe: {type(exc).__name__}: {exc}")
+                rows.fail_all(f"probe: {type(exc).__name__}: {exc}", ProbeErrorReason.PROBE)
                 table, focus = {}, None
         self._decide_stops(rows, focus, table.get("flags"))
         columns: dict[str, slice] = {}
@@ -420,7 +421,7 @@ class Probe:
             done = self.finished.popleft()
             if done.event is not None:
                 done.event.synchronize()
-            values = done.table.tolist()
+            values = done.table.numpy()  # [K, columns] float64, one line per row in ``ok``
             rows = done.rows
             at = {i: r for r, i in enumerate(rows.ok)}
             for i, key in enumerate(rows.keys):
@@ -428,7 +429,7 @@ class Probe:
                     "num_prompt_tokens": rows.num_prompt_tokens[i],
                     "probe_seconds": done.seconds / max(len(rows), 1),
                 }
-                row = values[at[i]] if i in at and values else None
+                row = values[at[i]] if i in at and values.size else None
                 self._fill(result, rows, i, row, done.columns)
                 self.results[key] = result
             while len(self.results) > MAX_STORED_RESULTS:
@@ -439,31 +440,42 @@ class Probe:
         result: ProbeResultData,
         rows: StepRows,
         i: int,
-        row: list[float] | None,
+        row: np.ndarray | None,
         columns: dict[str, slice],
     ) -> None:
-        """One row's result from its line of the step's table."""
-        error = rows.errors[i]
+        """One row's result from its line of the step's table. Long float vectors travel as
+        float64 bytes: one value for vLLM's serialiser, which with
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION`` set types every element of a list one by one (a
+        list of 640 floats per request cost 100 ms per 64 requests on the H200)."""
+        error, reason = rows.errors[i], rows.reasons[i]
         if error is None and row is not None:
             flags = row[columns["flags"]]
-            error = next((FLAG_MESSAGES[c] for c, f in enumerate(flags) if f), None)
+            raised = np.flatnonzero(flags)
+            if raised.size:
+                column = int(raised[0])
+                error, reason = FLAG_MESSAGES[column], FLAG_REASONS[column]
         if rows.stop_below[i] is not None and rows.stop_token[i] is not None:
             focus = None
             if error is None and row is not None and "focus" in columns:
-                focus = row[columns["focus"]][0]
+                focus = float(row[columns["focus"]][0])
             self._fill_stop(result, rows, i, focus)
         if error is not None or row is None:
             result["error"] = error or "probe: no score"
+            result["reason"] = (reason or ProbeErrorReason.PROBE).value
             return
-        result["stats"] = row[columns["stats"]]  # in ``head_order``, WIDTH values per head
-        terms = row[columns["terms"]]
+        result["stats"] = row[columns["stats"]].tobytes()  # ``head_order``, WIDTH per head
+        terms = row[columns["terms"]].tolist()
         if terms:
             result["hidden"] = [[lay, t] for lay, t in zip(self.term_layers, terms, strict=True)]
-        streams = [[int(n[6:]), row[s]] for n, s in columns.items() if n.startswith("stream")]
+        streams = [
+            [int(n[6:]), row[s].tobytes()] for n, s in columns.items() if n.startswith("stream")
+        ]
         if streams:
             result["hidden_states"] = streams
         if rows.has_data[i]:  # no data tokens: no mean stream to return
-            means = [[int(n[4:]), row[s]] for n, s in columns.items() if n.startswith("mean")]
+            means = [
+                [int(n[4:]), row[s].tobytes()] for n, s in columns.items() if n.startswith("mean")
+            ]
             if means:
                 result["data_mean_states"] = means
 
@@ -507,7 +519,8 @@ def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:
             if probe.plan(runner, get_forward_context(), attn_metadata):
                 probe.score_layer(layer, query, kv_cache, key)
         except Exception as exc:  # a bug here must not take the engine down
-            probe.rows.fail_all(f"layer {layer.index}: {type(exc).__name__}: {exc}")
+            message = f"layer {layer.index}: {type(exc).__name__}: {exc}"
+            probe.rows.fail_all(message, ProbeErrorReason.LAYER)
         probe.probe_seconds += time.perf_counter() - started
         if probe.rows and layer.index == probe.last_layer and not probe.finish_on_hidden:
             probe.finish_step()  # reached on every rank alike: tensor-parallel ranks combine here

@@ -18,10 +18,11 @@ reads one of:
 Everything else is the transfer benchmark's: same calibration pool, layers 15 and 18, attention
 stats of the same heads, same fits, same thresholds, leave-one-source-out and the held-out sets.
 
-The serving probe reads the last prompt token only, so this script gets both positions from
-Hugging Face (eager attention, float32) on the very token ids the engine scores
-(``prepare_prompt``), and checks its last-token stream against the serving probe's cached one
-(printed: max abs difference). About 45 min on 2 cores for the ~4,300 rows (cached in
+The serving probe reads the stream at the last prompt token and the data tokens' mean stream
+(guardrail/worker/hidden.py), never the anchors, so this script gets every stream from Hugging
+Face (eager attention, float32) on the very token ids the engine scores (``prepare_prompt``),
+and checks its last-token stream against the serving probe's cached one (printed: max abs
+difference). About 45 min on 2 cores for the ~4,300 rows (cached in
 ``--states``). Needs the transfer benchmark's score cache:
 
     python benchmarks/detection_delta.py --cache /tmp/transfer_scores.npz \\

@@ -8,8 +8,15 @@ adapters on top and the two external packages the contracts talk about (vLLM, La
 bottom. An edge is dashed when every import behind it is deferred (inside a function or under
 ``if TYPE_CHECKING``), and red when it points up or sideways within a layer (a contract breaks).
 
+The same run rewrites the table of long modules and functions in docs/architecture.md (between
+the ``long-code`` marker comments) from the code: every module of those three packages over
+``LONG_MODULE`` lines and every function or method over ``LONG_FUNCTION`` lines (from its
+``def`` line to its last, as ``ast`` gives them), with its docstring's first sentence and the
+note in ``NOTES``, if any. tests/unit/test_long_code_inventory.py fails when the table is stale.
+
     .venv/bin/python scripts/draw_architecture.py            # needs graphviz's `dot` on PATH
     .venv/bin/python scripts/draw_architecture.py --dot      # print the DOT source only
+    .venv/bin/python scripts/draw_architecture.py --table    # rewrite the table only
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grimp
@@ -50,6 +58,39 @@ COLORS = {  # fill colour per group of nodes
 }
 CALLER_COLOR = "#cfe2f3"  # guard, metrics, engine, policy
 EXTERNAL_COLOR = "#ffffff"
+
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
+LONG_MODULE = 400  # lines; house style: modules under ~400 lines, functions under ~50
+LONG_FUNCTION = 60
+TABLE_START = "<!-- long-code:start -->"
+TABLE_END = "<!-- long-code:end -->"
+# Why a long module or function stays long, keyed like the table's first column (path, or
+# "path: qualified name"). A note whose subject is no longer long fails the inventory test.
+NOTES = {
+    "guardrail/embedded.py": (
+        "GGUF to safetensors conversion with a file lock, atomic rename, manifest and "
+        "verification: one procedure, kept in one place."
+    ),
+    "guardrail/metrics/recorder.py: GuardrailMetrics._define": (
+        "Declarations only: one `Counter`/`Histogram`/`Gauge` per metric, with help text "
+        "and labels."
+    ),
+    "guardrail/offline/calibration.py": (
+        "Already separate from datasets, evaluation and the CLI; could be split into "
+        "`selection` and `logistic` modules."
+    ),
+    "guardrail/offline/datasets.py": (
+        "Many small pieces; `ScoreTable` could move to its own module."
+    ),
+    "guardrail/offline/evaluation.py: markdown_report": "Mostly literal Markdown text.",
+    "guardrail/probe/config.py: ModelProbeConfig.check_model": (
+        "About half of it is docstring and message text."
+    ),
+    "guardrail/probe/prompts.py": (
+        "Rendering requests safely is one procedure with several guarantees; docs/security.md "
+        "says what each part guarantees."
+    ),
+}
 
 
 def importlinter_config() -> dict:
@@ -206,11 +247,101 @@ def to_dot(graph: grimp.ImportGraph, config: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+@dataclass(frozen=True)
+class LongCode:
+    """A module over ``LONG_MODULE`` lines or a function over ``LONG_FUNCTION`` lines."""
+
+    path: str  # relative to the repository root
+    name: str  # qualified name of the function ("Class.method", "outer.inner"); "" for a module
+    lines: int
+    summary: str  # the first sentence of its docstring
+
+    @property
+    def key(self) -> str:
+        return f"{self.path}: {self.name}" if self.name else self.path
+
+
+def docstring_summary(node: ast.Module | ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The first sentence of a docstring, as Markdown on one line (pipes escaped)."""
+    paragraph = " ".join((ast.get_docstring(node) or "").split("\n\n")[0].split())
+    sentence = re.split(r"(?<=\.)\s+(?=[A-Z`])", paragraph)[0]
+    sentence = re.sub(r":\w+:`([^`]+)`", r"`\1`", sentence).replace("``", "`")
+    return sentence.replace("|", "\\|")
+
+
+def long_code(root: Path = ROOT) -> list[LongCode]:
+    """The long modules and functions of ``ROOT_PACKAGES``, file by file, in source order."""
+    found: list[LongCode] = []
+
+    def visit(node: ast.AST, path: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = prefix + child.name
+                lines = (child.end_lineno or child.lineno) - child.lineno + 1
+                if not isinstance(child, ast.ClassDef) and lines > LONG_FUNCTION:
+                    found.append(LongCode(path, name, lines, docstring_summary(child)))
+                visit(child, path, name + ".")
+            else:
+                visit(child, path, prefix)
+
+    for package in ROOT_PACKAGES:
+        for file in sorted((root / package).rglob("*.py")):
+            path = file.relative_to(root).as_posix()
+            source = file.read_text()
+            tree = ast.parse(source)
+            lines = len(source.splitlines())
+            if lines > LONG_MODULE:
+                found.append(LongCode(path, "", lines, docstring_summary(tree)))
+            visit(tree, path, "")
+    return found
+
+
+def long_code_table(found: list[LongCode]) -> str:
+    """The Markdown table of ``found``, with each entry's note from ``NOTES``."""
+    out = ["| Where | Lines | Summary (its docstring) | Note |", "|---|---:|---|---|"]
+    for entry in found:
+        where = f"`{entry.path}`" + (f": `{entry.name}`" if entry.name else "")
+        out.append(f"| {where} | {entry.lines} | {entry.summary} | {NOTES.get(entry.key, '')} |")
+    return "\n".join(out) + "\n"
+
+
+def stale_notes(found: list[LongCode]) -> list[str]:
+    """The keys of ``NOTES`` whose module or function is no longer long (or no longer there)."""
+    keys = {entry.key for entry in found}
+    return sorted(key for key in NOTES if key not in keys)
+
+
+def with_table(doc: str, table: str) -> str:
+    """``doc`` with the text between the long-code markers replaced by ``table``."""
+    start, end = doc.find(TABLE_START), doc.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"{ARCHITECTURE_DOC.name} needs {TABLE_START} ... {TABLE_END}")
+    return f"{doc[: start + len(TABLE_START)]}\n{table}{doc[end:]}"
+
+
+def write_table() -> None:
+    found = long_code()
+    for key in stale_notes(found):
+        print(f"NOTES[{key!r}] is about code that is no longer long: remove it", file=sys.stderr)
+    text = ARCHITECTURE_DOC.read_text()
+    updated = with_table(text, long_code_table(found))
+    if updated != text:
+        ARCHITECTURE_DOC.write_text(updated)
+    print(f"{ARCHITECTURE_DOC.relative_to(ROOT)}: {len(found)} long modules and functions")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "architecture.png")
     parser.add_argument("--dot", action="store_true", help="print the DOT source, draw nothing")
+    parser.add_argument(
+        "--table", action="store_true", help="rewrite the long-code table only, draw nothing"
+    )
     args = parser.parse_args(argv)
+    if not args.dot:
+        write_table()
+    if args.table:
+        return 0
 
     sys.path.insert(0, str(ROOT))  # `integrations` and `policies` as grimp sees them
     print(f"scanning {', '.join(ROOT_PACKAGES)} ...", file=sys.stderr)

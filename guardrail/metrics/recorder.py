@@ -53,12 +53,10 @@ __all__ = [
 NAMESPACE = "guardrail"
 DISTRIBUTION = "vllm-guardrail"
 
-# Probe signals are scores in [0, 1], low = likely injection. Thresholds of the shipped and
-# calibrated configs range from ~0.005 to ~0.7 (shipped SmolLM2-135M-Instruct: 0.060, its
-# combined variant 0.030; the reference default: 0.5). From 0.025 to 0.7 no bucket is wider
-# than a fifth of its upper edge (0.005 wide from 0.015 to 0.055), coarser outside: a quantile
-# near any threshold is off by at most half a bucket, about a tenth of the threshold. 38
-# buckets, plus +Inf.
+# Probe signals are scores in [0, 1], low = likely injection. From 0.025 to 0.7 no bucket is
+# wider than a fifth of its upper edge (0.005 wide from 0.015 to 0.055), coarser outside: a
+# quantile there is off by at most half a bucket. 38 buckets, plus +Inf. The edges follow the
+# thresholds of the shipped and calibrated configs: docs/metrics.md (score buckets) lists them.
 # fmt: off
 SCORE_BUCKETS: tuple[float, ...] = (
     0.0025, 0.005, 0.0075, 0.01,
@@ -75,8 +73,8 @@ SCORE_BUCKETS: tuple[float, ...] = (
 # (a signal's series appears with its first score otherwise).
 INITIAL_SIGNALS: tuple[str, ...] = (FOCUS,)
 
-# The probe's own time inside the engine: p50 ~20-40 ms, p99 ~50-100 ms for SmolLM2-135M on a
-# busy 2-core CPU (docs/img/dashboard.png); more when keys come from a long prefix-cached prompt.
+# The probe's own time inside the engine, from 100 us to 10 s: docs/metrics.md (probe duration
+# buckets) gives the times measured.
 # fmt: off
 PROBE_DURATION_BUCKETS: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,

@@ -87,7 +87,7 @@ class HiddenReader:
     mean: Readout | None = None  # the config's read-out of the data tokens' mean stream
     raw_last: bool = False  # return the last token's whole stream (calibration)
     memo: torch.Tensor | None = None  # [slots + 1]: each KV slot's projection on ``mean``
-    raw_memo: torch.Tensor | None = None  # [slots + 1, hidden_size]: whole streams (raw_mean)
+    raw_memo: torch.Tensor | None = None  # [slots + 1, hidden_size]: streams (raw_mean_layers)
     handle: Any = None  # RemovableHandle of the forward hook
 
     @property

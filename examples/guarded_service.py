@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import REGISTRY
 from pydantic import BaseModel
 from vllm import SamplingParams
 
@@ -42,7 +43,7 @@ def create_app(model: str | None, probe_config: str | None) -> FastAPI:
             model,
             policies.TIERED,
             probe_config=probe_config,
-            metrics=GuardrailMetrics(model_name="smollm2"),  # global registry
+            metrics=GuardrailMetrics(REGISTRY, model_name="smollm2"),  # the global registry
             model_name="smollm2",
             enforce_eager=True,
         ) as guarded:

@@ -38,6 +38,7 @@ EMAILS = [
 def run_worker(model: str | None, probe_config: str | None, email: str) -> None:
     """One worker: a GuardrailMetrics on the global registry as usual. In multi-process mode
     prometheus_client writes every sample to a file of this process in the directory."""
+    from prometheus_client import REGISTRY
     from vllm import SamplingParams
 
     from guardrail import GuardedLLM, policies
@@ -47,7 +48,7 @@ def run_worker(model: str | None, probe_config: str | None, email: str) -> None:
         model,
         policies.TIERED,
         probe_config=probe_config,
-        metrics=GuardrailMetrics(model_name="smollm2"),
+        metrics=GuardrailMetrics(REGISTRY, model_name="smollm2"),
         model_name="smollm2",
         enforce_eager=True,
     ) as guarded:

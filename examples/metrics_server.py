@@ -14,6 +14,7 @@ import argparse
 import os
 import urllib.request
 
+from prometheus_client import REGISTRY
 from vllm import SamplingParams
 
 from guardrail.guard import GuardedLLM
@@ -22,7 +23,7 @@ from guardrail.policy import PromptInjectionPolicy
 
 
 def run(model: str | None, probe_config: str | None, port: int, requests: list) -> None:
-    metrics = GuardrailMetrics(model_name="smollm2")  # global registry
+    metrics = GuardrailMetrics(REGISTRY, model_name="smollm2")  # the global registry
     with (
         GuardedLLM(
             model,

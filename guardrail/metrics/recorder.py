@@ -2,8 +2,9 @@
 
 Record metrics in the process that serves requests (the one that calls ``GuardedLLM``), never in
 vLLM's worker or engine-core processes: nobody scrapes those. Nothing is registered at import;
-each ``GuardrailMetrics`` registers its metrics in the ``registry`` it is given (prometheus_client's
-global ``REGISTRY`` when None, so vLLM's own ``/metrics`` route exposes them too).
+each ``GuardrailMetrics`` registers its metrics in the ``registry`` it is given and, like
+prometheus_client's own metrics, nowhere when that is None. Pass prometheus_client's global
+``REGISTRY`` explicitly for vLLM's own ``/metrics`` route to expose them too.
 
 Names follow Prometheus conventions: one ``guardrail_`` prefix, base units (seconds), counters end
 in ``_total``, and every label is bounded (``model_name`` as in vLLM's metrics, policy names from
@@ -34,7 +35,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from guardrail.policy.verdict import Action, FailureMode, Verdict
 from guardrail.probe.scoring import FOCUS
@@ -109,7 +110,11 @@ def _flag(value: bool) -> str:
 
 
 class GuardrailMetrics:
-    """The guardrail's Prometheus metrics, registered in ``registry`` (global one if None).
+    """The guardrail's Prometheus metrics, registered in ``registry`` (nowhere if None).
+
+    ``registry=None`` follows prometheus_client (``Counter(..., registry=None)``): the metrics
+    still count, but no registry holds them, so no scrape shows them. For the global registry
+    (vLLM's ``/metrics``) pass ``prometheus_client.REGISTRY``.
 
     ``model_name`` is the default value of the ``model_name`` label (use the name vLLM serves the
     model under, so guardrail and ``vllm:`` series join on it). Create one instance per registry:
@@ -132,7 +137,7 @@ class GuardrailMetrics:
         score_buckets: Sequence[float] = SCORE_BUCKETS,
         latency_buckets: Sequence[float] = PROBE_DURATION_BUCKETS,
     ) -> None:
-        self.registry = REGISTRY if registry is None else registry
+        self.registry = registry
         self.model_name = model_name
         self._known_models: set[str] = set()
         self._define(self.registry, tuple(score_buckets), tuple(latency_buckets))
@@ -144,7 +149,7 @@ class GuardrailMetrics:
 
     def _define(
         self,
-        registry: CollectorRegistry,
+        registry: CollectorRegistry | None,
         score_buckets: tuple[float, ...],
         latency_buckets: tuple[float, ...],
     ) -> None:
@@ -234,7 +239,7 @@ class GuardrailMetrics:
         )
 
     def unregister(self) -> None:
-        """Remove these metrics from their registry (tests; rebuilding with other buckets).
+        """Remove these metrics from their registry, if any (tests; rebuilding with other buckets).
 
         Example:
             >>> from prometheus_client import CollectorRegistry
@@ -243,6 +248,8 @@ class GuardrailMetrics:
             >>> list(registry.collect())
             []
         """
+        if self.registry is None:
+            return
         for metric in (
             self.requests,
             self.decisions,

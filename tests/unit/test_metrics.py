@@ -505,8 +505,44 @@ def test_names_labels_and_no_request_data_in_the_exposition(metrics):
     assert "guardrail_probe_duration_seconds" in {f.name for f in families}
 
 
-def test_default_registry_is_the_global_one():
-    metrics = GuardrailMetrics(model_name="global-test")
+def guardrail_samples(registry: CollectorRegistry) -> list[tuple[str, dict[str, str]]]:
+    return [
+        (sample.name, sample.labels)
+        for family in registry.collect()
+        if family.name.startswith("guardrail_")
+        for sample in family.samples
+    ]
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["registry=None", "no registry"])
+def test_registry_none_registers_nowhere(explicit: bool):
+    before = guardrail_samples(REGISTRY)
+    metrics = (
+        GuardrailMetrics(None, model_name="nowhere-test")
+        if explicit
+        else GuardrailMetrics(model_name="nowhere-test")
+    )
+    metrics.observe_verdict(verdict(Action.BLOCK, focus=0.1))
+
+    assert metrics.registry is None
+    assert guardrail_samples(REGISTRY) == before  # the global registry gained nothing
+    blocked = {"model_name": "nowhere-test", "action": "block"}
+    assert REGISTRY.get_sample_value("guardrail_requests_total", blocked) is None
+    # the metrics still count, where no scrape sees them
+    [requests] = metrics.requests.collect()
+    counts = {
+        s.labels["action"]: s.value
+        for s in requests.samples
+        if s.name == "guardrail_requests_total"
+    }
+    assert (counts["block"], counts["allow"]) == (1, 0)
+    # registered nowhere: a second one has no duplicate to collide with, and unregister is a no-op
+    GuardrailMetrics(None, model_name="nowhere-test").unregister()
+    metrics.unregister()
+
+
+def test_the_global_registry_is_passed_explicitly():
+    metrics = GuardrailMetrics(REGISTRY, model_name="global-test")
     try:
         value = REGISTRY.get_sample_value(
             "guardrail_requests_total", {"model_name": "global-test", "action": "allow"}

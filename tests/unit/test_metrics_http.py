@@ -177,7 +177,7 @@ WRITER = textwrap.dedent("""
     from tests.helpers import allow_or_block
 
     held, *focuses = sys.argv[1:]
-    metrics = GuardrailMetrics(model_name="mp")
+    metrics = GuardrailMetrics(prometheus_client.REGISTRY, model_name="mp")
     metrics.set_thresholds([SimpleNamespace(name="block_low", threshold=0.5)])
     for focus in focuses:
         metrics.observe_verdict(allow_or_block(float(focus)))

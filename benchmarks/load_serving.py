@@ -624,7 +624,10 @@ def model_and_config(args: argparse.Namespace, tmp: Path) -> tuple[str, str | No
         shape = args.model.removeprefix("dummy-")
         path = build_dummy_model(shape, tmp)
         config_path = tmp / f"{args.model}_probe_config.json"
-        config_path.write_text(json.dumps(dummy_probe_config(shape).model_dump(mode="json")))
+        # random weights give random scores: threshold 0 blocks none, so both arms do the same
+        # work (the in-engine stop is still armed and decided for every request)
+        config = dummy_probe_config(shape).model_copy(update={"threshold": 0.0})
+        config_path.write_text(json.dumps(config.model_dump(mode="json")))
         return str(path), str(config_path)
     if args.model == "smollm2":
         from guardrail.embedded import embedded_model_path

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One step of an H200 session (docs/gpu.md), run on the GPU machine after staging
+# (../shared/gpu/README.md), from a copy of this tree; results go under $OUT (the device tool's
+# output folder) or ./gpu-out. Each step fits one call of at most 10 minutes; run them back to
+# back (an idle machine is taken back after 30 s).
+#
+#   bash benchmarks/gpu_steps.sh tests|bench1b|bench8b|profile|serve
+set -uo pipefail
+step=${1:?usage: gpu_steps.sh tests|bench1b|bench8b|profile|serve}
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+. /tmp/gpu-env.sh
+unset TOKENIZERS_PARALLELISM  # a user's default (the staging script sets it false)
+cd "$(dirname "$0")/.."
+# guardrail-serve imports guardrail.integrations: in a copied tree that is the top-level folder
+[ -e guardrail/integrations ] || ln -s ../integrations guardrail/integrations
+[ -e guardrail/policies ] || ln -s ../policies guardrail/policies
+export PYTHONPATH=$PWD:$PYTHONPATH
+export GUARDRAIL_COMMIT=${GUARDRAIL_COMMIT:-$(cat COMMIT 2>/dev/null || echo unknown)}
+quiet() { grep -v " INFO \| WARNING \|DEBUG\|it/s\]"; }
+case $step in
+  tests) python3 -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | quiet | tail -40 \
+    | tee "$out/gpu_tests.txt" ;;
+  bench1b) python3 benchmarks/bench_gpu.py --shapes 1b --plain-text --lengths 512 2048 \
+    --batches 64 1 16 --max-tokens 1 --out "$out/gpu_1b.json" 2>&1 | grep "^{" ;;
+  bench8b) python3 benchmarks/bench_gpu.py --shapes 8b --plain-text --lengths 512 2048 \
+    --batches 64 1 --max-tokens 1 --out "$out/gpu_8b.json" 2>&1 | grep "^{" ;;
+  profile) python3 benchmarks/profile_phases.py --shape 1b --cases 1x512 64x512 --rounds 5 \
+    --torch-profile --out "$out/phases.json" 2>&1 | quiet | tail -80 ;;
+  serve) python3 benchmarks/load_serving.py --model dummy-1b --device gpu --rounds 1 \
+    --clients 32 64 --requests 128 --no-doc --start-timeout 200 2>&1 | quiet | tail -40
+    cp benchmarks/results/load_serving_dummy-1b_gpu*.json "$out/" ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac

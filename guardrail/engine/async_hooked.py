@@ -198,9 +198,12 @@ class AsyncHookedLLM:
         probe_config: ModelProbeConfig | str | Path | None = None,
         *,
         probe_heads: Sequence[HeadKey] | str | None = None,
+        probe_hidden_layers: Sequence[int] = (),
+        probe_data_mean_layers: Sequence[int] = (),
         **engine_kwargs: Any,
     ) -> AsyncHookedLLM:
-        """Start the engine, install the probe, and check one real request comes back scored."""
+        """Start the engine, install the probe, and check one real request comes back scored.
+        The arguments are ``HookedLLM``'s (a unit test holds the two signatures equal)."""
         arguments = engine_arguments({"disable_log_stats": True, **engine_kwargs})
         model = model_or_embedded(model)
         config = engine_probe_config(str(model), probe_config, arguments)
@@ -215,17 +218,28 @@ class AsyncHookedLLM:
         try:
             self._supervisor = EngineSupervisor(self._engine, loop=self.loop)
             self._finalizer = weakref.finalize(self, _close_engine, engine, self._supervisor)
-            await self._install(probe_heads)
+            await self._install(
+                probe_heads,
+                [int(layer) for layer in probe_hidden_layers],
+                [int(layer) for layer in probe_data_mean_layers],
+            )
         except BaseException:
             self.close()
             raise
         return self
 
-    async def _install(self, probe_heads: Sequence[HeadKey] | str | None) -> None:
+    async def _install(
+        self,
+        probe_heads: Sequence[HeadKey] | str | None,
+        raw_hidden: list[int],
+        raw_means: list[int],
+    ) -> None:
         info: ModelInfo = (await self.engine.collective_rpc(RPC_MODEL_INFO))[0]
         self.model_info = info
         check_served_model(info, self.config, self.model)
         self.probe_heads = heads_to_score(self.config, info, probe_heads)
+        self.probe_hidden_layers: list[int] = sorted(set(raw_hidden))
+        self.probe_data_mean_layers: list[int] = sorted(set(raw_means))
         self.probe = ProbeClient(
             self.config,
             tp_size=info["tp_size"],
@@ -235,9 +249,14 @@ class AsyncHookedLLM:
         try:
             await self.engine.collective_rpc(
                 RPC_INSTALL,
-                args=([list(h) for h in self.probe_heads], self.config.model_dump(mode="json")),
+                args=(
+                    [list(h) for h in self.probe_heads],
+                    self.config.model_dump(mode="json"),
+                    raw_hidden,
+                    raw_means,
+                ),
             )
-            if self.config.hidden_layers_at("data_mean"):
+            if raw_means or self.config.hidden_layers_at("data_mean"):
                 # the data-mean memo starts empty: no cached block may predate it
                 await self.engine.reset_prefix_cache()
         except ValueError as exc:

@@ -553,7 +553,9 @@ def test_data_mean_read_out_served_by_the_async_engine_equals_the_offline_engine
 ) -> None:
     """A config that reads the data tokens' mean stream, served by ``AsyncLLM``: questions after
     one shared tool document (read from the prefix cache after the first) score as the offline
-    engine scores them, hidden terms included."""
+    engine scores them, hidden terms included; asked for the whole stream of a layer at the last
+    token and over the data (``HookedLLM``'s calibration arguments), it returns what the
+    offline engine returns."""
 
     def chat(question: str) -> list[dict[str, str]]:
         return [
@@ -565,7 +567,15 @@ def test_data_mean_read_out_served_by_the_async_engine_equals_the_offline_engine
 
     requests = [chat(f"Question {i}: who was paid?") for i in range(4)]
     reference = tiny_hidden_engine.generate(requests, sampling())
-    engine = run(start_async_engine(tiny_llama_dir, probe_config=tiny_hidden_config()))
+    engine = run(
+        start_async_engine(
+            tiny_llama_dir,
+            probe_config=tiny_hidden_config(),
+            probe_hidden_layers=[1],
+            probe_data_mean_layers=[1],
+            num_gpu_blocks_override=1024,  # the whole-stream memo holds 128 floats per KV slot
+        )
+    )
     try:
         first = run(engine.generate(requests[:1], sampling()))
         later = run(engine.generate(requests[1:], sampling()))
@@ -576,3 +586,7 @@ def test_data_mean_read_out_served_by_the_async_engine_equals_the_offline_engine
         assert out.probe.error is None and ref.probe.error is None
         assert out.probe.hidden == pytest.approx(ref.probe.hidden, abs=5e-5)
         assert out.probe.focus == pytest.approx(ref.probe.focus, abs=5e-5)
+        assert set(out.probe.hidden_states) == set(out.probe.data_mean_states) == {1}
+        stream, mean = out.probe.hidden_states[1], out.probe.data_mean_states[1]
+        assert stream == pytest.approx(ref.probe.hidden_states[1], abs=5e-5)
+        assert mean == pytest.approx(ref.probe.data_mean_states[1], abs=5e-5)

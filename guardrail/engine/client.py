@@ -44,20 +44,10 @@ from guardrail.protocol import PROBE_ARG, PoppedResults, ProbeErrorReason, Probe
 __all__ = [
     "PerRequestArgs",
     "ProbeClient",
-    "check_probe_keys",
     "checked_probe_keys",
+    "checked_request_args",
     "per_request_args",
 ]
-
-
-def check_probe_keys(keys: Sequence[str | None]) -> None:
-    """Probe keys must be distinct non-empty strings (None: the engine draws a fresh one)."""
-    given = [k for k in keys if k is not None]
-    if any(not isinstance(k, str) or not k for k in given) or len(set(given)) != len(given):
-        raise ConfigError(
-            "probe_keys must be distinct non-empty strings (or None for a fresh "
-            "key), one per request"
-        )
 
 
 def checked_probe_keys(
@@ -134,6 +124,26 @@ def per_request_args(
         )
         valid = lambda p: isinstance(p, SamplingParams)  # noqa: E731
         params = per_request_checked(sampling_params, n, "sampling params", valid, expected, errors)
+    stops, on_error, keys = checked_request_args(
+        requests, stop_below, stop_on_probe_error, probe_keys, errors
+    )
+    return PerRequestArgs(params, stops, on_error, keys, errors)
+
+
+def checked_request_args(
+    requests: Sequence[Any],
+    stop_below: Any,
+    stop_on_probe_error: Any,
+    probe_keys: Sequence[str | None] | None,
+    errors: dict[int, GuardrailError],
+) -> tuple[list[Any], list[Any], list[str | None]]:
+    """The model-free part of ``per_request_args``: ``stop_below``, ``stop_on_probe_error`` and
+    ``probe_keys``, checked the same way by every engine, ``guardrail.testing.FakeEngine``
+    included (a bad entry fails its own request in ``errors``; a bad single value, or a single
+    request not in a list, fails the call)."""
+    if isinstance(requests, str | tuple):
+        raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
+    n = len(requests)
     stops = per_request_checked(stop_below, n, "stop_below", is_stop_value, STOP_IS, errors)
     on_error = per_request_checked(
         stop_on_probe_error,
@@ -143,8 +153,7 @@ def per_request_args(
         "True or False",
         errors,
     )
-    keys = checked_probe_keys(probe_keys, n, errors)
-    return PerRequestArgs(params, stops, on_error, keys, errors)
+    return stops, on_error, checked_probe_keys(probe_keys, n, errors)
 
 
 class ProbeClient:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from guardrail.engine.client import check_probe_keys
+from guardrail.engine.client import checked_request_args
 from guardrail.engine.steering import require_eager
 from guardrail.engine.types import GuardedOutput, ProbeResult, per_request
 from guardrail.errors import ConfigError, GuardrailError
@@ -126,14 +126,17 @@ class FakeEngine:
         if self.closed:
             raise GuardrailError("the fake engine was closed")
         n = len(requests)
-        stops = per_request(stop_below, n, "stop_below")
-        on_error = per_request(stop_on_probe_error, n, "stop_on_probe_error")
-        keys = per_request(probe_keys, n, "probe_keys")
-        check_probe_keys(keys)
+        errors: dict[int, GuardrailError] = {}  # as the real engine: a bad entry fails alone
+        stops, on_error, keys = checked_request_args(
+            requests, stop_below, stop_on_probe_error, probe_keys, errors
+        )
         steer = self._steering(steering, n)
         self.calls.append([k or f"fake-{i}" for i, k in enumerate(keys)])
         outputs = []
         for i, request in enumerate(requests):
+            if i in errors:
+                outputs.append(GuardedOutput(index=i, prompt=None, error=errors[i]))
+                continue
             try:
                 prepared = self.prepare(request)
             except GuardrailError as exc:

@@ -312,3 +312,24 @@ def test_the_fake_engine_fails_with_the_real_engines_reasons(tokenizer: Any) -> 
     assert fault.probe.error_reason is ProbeErrorReason.LAYER  # the worker fails a hooked layer
     assert ok.probe.error is None and ok.probe.error_reason is None
     assert unscored.probe.error_reason is ProbeErrorReason.MISSING
+
+
+def test_the_fake_engine_refuses_bad_entries_as_the_real_engine_does(tokenizer: Any) -> None:
+    """One validation for both engines: a bad probe key or stop value fails its own request
+    with the error ``per_request_args`` gives it, the others are answered; a bad single value
+    fails the call."""
+    from guardrail.engine.client import per_request_args
+
+    engine = FakeEngine(CONFIG, tokenizer, lambda p, attempt: 0.9)
+    requests = [("Summarize.", "hello")] * 4
+    keys = ["a", "a", "", None]
+    stops = [0.5, None, 0.5, "low"]
+    outs = engine.generate(requests, probe_keys=keys, stop_below=stops)
+    real = per_request_args(requests, None, stops, True, keys, lambda: None).errors
+    assert sorted(real) == [1, 2, 3]
+    assert [o.error is None for o in outs] == [True, False, False, False]
+    for i in real:
+        assert type(outs[i].error) is type(real[i]) and str(outs[i].error) == str(real[i])
+    assert outs[0].probe is not None and outs[0].probe.focus == 0.9
+    with pytest.raises(ConfigError, match="probe_keys must be a list"):
+        engine.generate(requests, probe_keys="abc")  # type: ignore[arg-type]

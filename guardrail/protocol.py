@@ -44,6 +44,7 @@ __all__ = [
     "ProbeSpec",
     "SteerReportData",
     "SteerSpec",
+    "injected_fault_message",
 ]
 
 # -- where vLLM finds the worker side -----------------------------------------------------------
@@ -76,6 +77,15 @@ RPC_INSTALL = "guardrail_install"  # (heads: [[layer, head]], config: dict, raw_
 RPC_UNINSTALL = "guardrail_uninstall"  # () -> None
 RPC_POP_RESULTS = "guardrail_pop_results"  # (keys: [str]) -> PoppedResults
 RPC_SET_FAULTS = "guardrail_set_faults"  # (keys: [str]) -> None
+
+
+def injected_fault_message(layer: int) -> str:
+    """The error of a request whose key is among the injected faults (``RPC_SET_FAULTS``): what
+    its first hooked ``layer`` would report (reason ``ProbeErrorReason.LAYER``); the worker and
+    ``guardrail.testing.FakeEngine`` both write it."""
+    return f"layer {layer}: RuntimeError: fault injected for testing"
+
+
 RPC_LOAD_STEERING = "guardrail_load_steering"  # (name, direction, layer, avg_proj) -> [layer]
 RPC_UNLOAD_STEERING = "guardrail_unload_steering"  # (names: [str] | None) -> [layer]
 RPC_CAPTURE_LAYERS = "guardrail_capture_layers"  # (layers: [int]) -> [layer]

@@ -42,12 +42,18 @@ from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, focus_of
 from guardrail.protocol import PROBE_ARG, PoppedResults, ProbeErrorReason, ProbeSpec
 
 __all__ = [
+    "MISSING_SCORE",
     "PerRequestArgs",
     "ProbeClient",
     "checked_probe_keys",
     "checked_request_args",
     "per_request_args",
+    "request_count",
 ]
+
+
+MISSING_SCORE = "missing: the probe returned no score for this request"
+"""The error of a request whose score did not come back (reason ``ProbeErrorReason.MISSING``)."""
 
 
 def checked_probe_keys(
@@ -109,11 +115,9 @@ def per_request_args(
     """Check ``generate``'s arguments the same way for every engine (sync and async): one value
     for all requests or one per request; ``default_params()`` when ``sampling_params`` is None.
     A list of the wrong length (or a single request not in a list) fails the whole call."""
-    if isinstance(requests, str | tuple):
-        raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
+    n = request_count(requests)
     from vllm import SamplingParams
 
-    n = len(requests)
     errors: dict[int, GuardrailError] = {}
     if sampling_params is None:
         params = [default_params()] * n
@@ -125,25 +129,29 @@ def per_request_args(
         valid = lambda p: isinstance(p, SamplingParams)  # noqa: E731
         params = per_request_checked(sampling_params, n, "sampling params", valid, expected, errors)
     stops, on_error, keys = checked_request_args(
-        requests, stop_below, stop_on_probe_error, probe_keys, errors
+        n, stop_below, stop_on_probe_error, probe_keys, errors
     )
     return PerRequestArgs(params, stops, on_error, keys, errors)
 
 
+def request_count(requests: Sequence[Any]) -> int:
+    """How many requests a ``generate`` call has; a single request not in a list fails the call."""
+    if isinstance(requests, str | tuple):
+        raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
+    return len(requests)
+
+
 def checked_request_args(
-    requests: Sequence[Any],
+    n: int,
     stop_below: Any,
     stop_on_probe_error: Any,
     probe_keys: Sequence[str | None] | None,
     errors: dict[int, GuardrailError],
 ) -> tuple[list[Any], list[Any], list[str | None]]:
-    """The model-free part of ``per_request_args``: ``stop_below``, ``stop_on_probe_error`` and
-    ``probe_keys``, checked the same way by every engine, ``guardrail.testing.FakeEngine``
-    included (a bad entry fails its own request in ``errors``; a bad single value, or a single
-    request not in a list, fails the call)."""
-    if isinstance(requests, str | tuple):
-        raise ConfigError("generate() takes a list of requests; wrap a single one in a list")
-    n = len(requests)
+    """The model-free part of ``per_request_args`` for ``n`` requests (``request_count``):
+    ``stop_below``, ``stop_on_probe_error`` and ``probe_keys``, checked the same way by every
+    engine, ``guardrail.testing.FakeEngine`` included (a bad entry fails its own request in
+    ``errors``; a bad single value fails the call)."""
     stops = per_request_checked(stop_below, n, "stop_below", is_stop_value, STOP_IS, errors)
     on_error = per_request_checked(
         stop_on_probe_error,
@@ -252,7 +260,7 @@ class ProbeClient:
             streams.update((int(lay), _floats(x)) for lay, x in found.get("hidden_states", []))
             means.update((int(lay), _floats(x)) for lay, x in found.get("data_mean_states", []))
         if error is None and not heads:
-            error = "missing: the probe returned no score for this request"
+            error = MISSING_SCORE
             reason = ProbeErrorReason.MISSING
         elif error is None and not self._config_heads <= heads.keys():
             error = "incomplete: some configured heads were not scored"

@@ -23,13 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from guardrail.engine.client import checked_request_args
+from guardrail.engine.client import MISSING_SCORE, checked_request_args, request_count
 from guardrail.engine.steering import require_eager
 from guardrail.engine.types import GuardedOutput, ProbeResult, per_request
 from guardrail.errors import ConfigError, GuardrailError
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt, RequestLike, prepare_prompt
-from guardrail.protocol import ModelInfo, ProbeErrorReason
+from guardrail.protocol import ModelInfo, ProbeErrorReason, injected_fault_message
 from guardrail.steering.spec import Steering, SteeringLike, SteeringReport
 from guardrail.steering.vector import SteeringVector, load_steering_vector
 
@@ -125,10 +125,10 @@ class FakeEngine:
     ) -> list[GuardedOutput]:
         if self.closed:
             raise GuardrailError("the fake engine was closed")
-        n = len(requests)
+        n = request_count(requests)
         errors: dict[int, GuardrailError] = {}  # as the real engine: a bad entry fails alone
         stops, on_error, keys = checked_request_args(
-            requests, stop_below, stop_on_probe_error, probe_keys, errors
+            n, stop_below, stop_on_probe_error, probe_keys, errors
         )
         steer = self._steering(steering, n)
         self.calls.append([k or f"fake-{i}" for i, k in enumerate(keys)])
@@ -220,12 +220,10 @@ class FakeEngine:
         fault in its first hooked layer (``LAYER``), no focus ``MISSING``."""
         if key in self.faults:
             first = min(layer for layer, _ in self.config.heads)
-            message = f"layer {first}: RuntimeError: fault injected for testing"
-            return None, message, ProbeErrorReason.LAYER
+            return None, injected_fault_message(first), ProbeErrorReason.LAYER
         focus = self.focus(prepared, attempt)
         if focus is None:
-            message = "missing: the probe returned no score for this request"
-            return None, message, ProbeErrorReason.MISSING
+            return None, MISSING_SCORE, ProbeErrorReason.MISSING
         return focus, None, None
 
     def close(self) -> None:

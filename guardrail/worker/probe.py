@@ -33,7 +33,13 @@ from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.device_focus import DeviceFocus
 from guardrail.probe.kv_layout import KeyGather, key_gather_for
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, batched_logits, stats_from_logits
-from guardrail.protocol import MAX_STORED_RESULTS, PROBE_ARG, ProbeErrorReason, ProbeResultData
+from guardrail.protocol import (
+    MAX_STORED_RESULTS,
+    PROBE_ARG,
+    ProbeErrorReason,
+    ProbeResultData,
+    injected_fault_message,
+)
 from guardrail.worker.hidden import HiddenReader, install_hidden
 from guardrail.worker.rows import (
     FLAG_MESSAGES,
@@ -161,7 +167,7 @@ class Probe:
     def ready(self) -> None:
         """Called once the layers are hooked: fixes the table layout and the device focus."""
         first = min(self.layers, default=min(self.hidden, default=0))
-        self.fault_message = f"layer {first}: RuntimeError: fault injected for testing"
+        self.fault_message = injected_fault_message(first)
         self.term_layers = sorted(
             i for i, r in self.hidden.items() if r.last is not None or r.mean is not None
         )
@@ -445,8 +451,8 @@ class Probe:
     ) -> None:
         """One row's result from its line of the step's table. Long float vectors travel as
         float64 bytes: one value for vLLM's serialiser, which with
-        ``VLLM_ALLOW_INSECURE_SERIALIZATION`` set types every element of a list one by one (a
-        list of 640 floats per request cost 100 ms per 64 requests on the H200)."""
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION`` set types every element of a list one by one
+        (what that cost: docs/gpu.md)."""
         error, reason = rows.errors[i], rows.reasons[i]
         if error is None and row is not None:
             flags = row[columns["flags"]]

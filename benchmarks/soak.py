@@ -174,7 +174,7 @@ class PlainLLM:
     def __init__(self, model: Path | str, **engine_kwargs: Any) -> None:
         from vllm import LLM
 
-        from guardrail.engine.vllm_client import EngineHandle
+        from guardrail.engine.engine_process import EngineHandle
 
         self._handle = EngineHandle()
         self._handle.llm = llm = LLM(model=str(model), **engine_kwargs)

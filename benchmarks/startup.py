@@ -377,7 +377,7 @@ vLLM bounds those waits with fixed timeouts:
   (`vllm/v1/utils.py`, `shutdown`), then kills it and its worker ("force killing remaining
   processes"), and a killed process can leave Python's resource tracker listing a shared-memory
   segment, which it reports at interpreter exit ("leaked shared_memory objects"). `close()` gives
-  vLLM's shutdown 60 s (`SHUTDOWN_TIMEOUT_S` in `guardrail/engine/vllm_client.py`), which only
+  vLLM's shutdown 60 s (`SHUTDOWN_TIMEOUT_S` in `guardrail/engine/engine_process.py`), which only
   bounds an engine that hangs, and after the processes are gone it unlinks any segment they left
   and drops any registration they left with the tracker for a segment that is gone.
 - The engine core gives its worker `VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS` (5 s) to exit

@@ -11,7 +11,7 @@ keeps at most one ``RPC_POP_RESULTS`` call in flight, and that call carries the 
 request whose first output arrived while the previous one ran (under load, one pop serves a
 whole engine step's worth of requests; ``popper.calls`` and ``popper.popped`` count them).
 
-Its processes are supervised like ``HookedLLM``'s (``guardrail.engine.vllm_client``'s
+Its processes are supervised like ``HookedLLM``'s (``guardrail.engine.engine_process``'s
 ``EngineSupervisor``, on the event loop the engine was created on): an engine-core or worker
 process that dies fails every waiting stream and RPC with ``EngineDeadError`` at once, the rest
 of the engine's processes are ended and their shared memory unlinked; ``close()`` fails the
@@ -41,6 +41,12 @@ from typing import Any
 
 from guardrail.embedded import model_or_embedded
 from guardrail.engine.client import ProbeClient, per_request_args
+from guardrail.engine.engine_process import (
+    SHUTDOWN_TIMEOUT_S,
+    EngineHandle,
+    EngineSupervisor,
+    is_engine_dead_error,
+)
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
     check_self_test,
@@ -57,12 +63,6 @@ from guardrail.engine.types import (
     PositionLogprobs,
     is_stop_value,
     logprobs_of,
-)
-from guardrail.engine.vllm_client import (
-    SHUTDOWN_TIMEOUT_S,
-    EngineHandle,
-    EngineSupervisor,
-    is_engine_dead_error,
 )
 from guardrail.errors import (
     ConfigError,
@@ -510,7 +510,7 @@ class AsyncHookedLLM:
     def close(self) -> None:
         """Shut vLLM's engine down and leave none of its processes or shared memory
         (idempotent). Streams still running raise ``EngineClosedError``. Blocks while vLLM's
-        processes exit (seconds: their clean exit, see ``guardrail.engine.vllm_client``)."""
+        processes exit (seconds: their clean exit, see ``guardrail.engine.engine_process``)."""
         engine, self._engine = self._engine, None
         if engine is None:
             return

@@ -26,6 +26,7 @@ import torch
 
 from guardrail.embedded import model_or_embedded
 from guardrail.engine.client import PerRequestArgs, ProbeClient, per_request_args
+from guardrail.engine.engine_process import EngineHandle, abort_unfinished
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
     check_self_test,
@@ -42,7 +43,6 @@ from guardrail.engine.types import (
     logprobs_of,
     per_request,
 )
-from guardrail.engine.vllm_client import EngineHandle, abort_unfinished
 from guardrail.errors import ConfigError, EngineNotGuardableError, GuardrailError, RequestError
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import PreparedPrompt, RequestLike, prepare_prompt, prepare_prompts

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from guardrail.engine.engine_process import EngineHandle
 from guardrail.engine.types import GuardedOutput
-from guardrail.engine.vllm_client import EngineHandle
 from guardrail.errors import ConfigError, EngineNotGuardableError
 from guardrail.probe.config import ModelProbeConfig, resolve_config
 from guardrail.probe.scoring import HeadKey

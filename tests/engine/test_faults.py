@@ -235,15 +235,15 @@ def shm_of(pids):
 
 # What vLLM's own teardown left for the supervisor's fallback (the processes exit with their
 # heap frozen, guardrail/worker/lifecycle.py: their segments must still be unlinked by them).
-from guardrail.engine import vllm_client
+from guardrail.engine import engine_process
 left_for_supervisor = []
-unlink = vllm_client.EngineSupervisor._unlink_shared_memory
+unlink = engine_process.EngineSupervisor._unlink_shared_memory
 def record_then_unlink(self):
     left_for_supervisor.extend(
         n for n in self.shared_memory if n.startswith("psm_") and (Path("/dev/shm") / n).exists()
     )
     unlink(self)
-vllm_client.EngineSupervisor._unlink_shared_memory = record_then_unlink
+engine_process.EngineSupervisor._unlink_shared_memory = record_then_unlink
 
 if __name__ == "__main__":
     engine = start_engine({model!r}, multiprocess=True)

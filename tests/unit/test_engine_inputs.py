@@ -3,7 +3,7 @@
 - Per-request lists (sampling params, ``stop_below``, ``stop_on_probe_error``, probe keys): a
   bad entry fails its own request with a ``RequestError`` naming the index; one bad value for
   every request fails the call with a ``ConfigError``.
-- ``EngineHandle`` (guardrail.engine.vllm_client) serialises calls from many threads, refuses a
+- ``EngineHandle`` (guardrail.engine.engine_process) serialises calls from many threads, refuses a
   closed engine, turns vLLM's ``EngineDeadError`` into this library's, and closes once.
 - ``GuardedLLM`` over a ``FakeEngine`` that dies: every request of the batch gets a fail-closed
   verdict carried by the raised ``EngineDeadError``, recorded in the metrics.
@@ -21,8 +21,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from guardrail.engine.client import ProbeClient, checked_probe_keys
+from guardrail.engine.engine_process import EngineHandle
 from guardrail.engine.types import STOP_IS, is_stop_value, per_request_checked
-from guardrail.engine.vllm_client import EngineHandle
 from guardrail.errors import (
     ConfigError,
     EngineClosedError,

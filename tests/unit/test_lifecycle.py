@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from guardrail.engine.vllm_client import EngineHandle
+from guardrail.engine.engine_process import EngineHandle
 from guardrail.protocol import ENGINE_ENV, FAST_EXIT_ENV
 
 

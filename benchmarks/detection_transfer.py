@@ -154,21 +154,22 @@ def score(
     """Heads and hidden streams of every row, from the cache and/or the embedded model: the
     last-token stream of ``hidden_layers`` (default ``HIDDEN_LAYERS``) and the data-mean stream
     of ``data_mean_layers``."""
-    from guardrail.cli.common import resolve_model, scores_for
+    from guardrail.embedded import model_or_embedded
+    from guardrail.offline.row_scores import ScoringSettings, scores_for
 
-    model, _ = resolve_model(MODEL)
-    args = argparse.Namespace(
+    model = model_or_embedded(MODEL)
+    settings = ScoringSettings(
         scores_cache=cache,
         batch_size=batch_size,
         max_prompt_tokens=2048,
+        hidden_layers=tuple(HIDDEN_LAYERS if hidden_layers is None else hidden_layers),
+        data_mean_layers=tuple(data_mean_layers),
         max_model_len=4096,
         max_num_batched_tokens=4096,
         dtype="float32",
         seed=0,
-        hidden_layers=list(HIDDEN_LAYERS if hidden_layers is None else hidden_layers),
-        data_mean_layers=list(data_mean_layers),
     )
-    kept, table, skipped, seconds = scores_for(rows, args, model, "all", None)
+    kept, table, skipped, seconds = scores_for(rows, model, "all", settings)
     print(f"scored {len(kept)} rows ({len(skipped)} skipped) in {seconds:.0f} s")
     return kept, table
 
@@ -241,8 +242,8 @@ def fit_kind(data: Data, kind: str, index: np.ndarray, layers: Sequence[int]) ->
 
 
 def focus_for(data: Data, kind: str, model: dict[str, Any], index: np.ndarray) -> np.ndarray:
-    from guardrail.cli.common import config_focus
     from guardrail.offline.combined import combined_focus
+    from guardrail.offline.row_scores import config_focus
 
     if kind == "shipped":
         return config_focus(model["config"], data.table.select(index.tolist()))
@@ -530,7 +531,7 @@ def write_default(rows: Sequence[LabelledPair], table: Any) -> None:
     config (model_configs/SmolLM2-135M-Instruct.json). The written file is then read back and
     measured through ``config_focus`` (what ``guardrail evaluate`` runs) on the test sets and
     the calibration sources, next to the configuration it replaces."""
-    from guardrail.cli.common import config_focus
+    from guardrail.offline.row_scores import config_focus
     from guardrail.probe.config import read_model_config
 
     data = Data(rows, table)

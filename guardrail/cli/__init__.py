@@ -2,8 +2,10 @@
 
 Subcommands live in a registry (:data:`SUBCOMMANDS`), each a name, a help line, a function
 adding its arguments and a function running it; add one with :func:`register`. Each has its
-own module here (``calibrate``, ``evaluate``, ``threshold``, ``rows``); what they share (model
-arguments, the engine, scoring through the score cache) is in ``common``.
+own module here (``calibrate``, ``evaluate``, ``threshold``, ``rows``, ``steer``); the arguments
+they share, and the library's typed settings built from them, are in ``options``. The work
+itself (scoring rows through the score cache, fitting, the steering build) is the library's,
+in ``guardrail.offline``.
 
     guardrail check --engine-arg enforce_eager=false                   # what an engine runs
     guardrail calibrate --data pairs.jsonl --out my_configs/           # embedded SmolLM2
@@ -23,12 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from guardrail.cli import calibrate, check, evaluate, rows, threshold
-from guardrail.cli.common import score_pairs, scores_for
+from guardrail.cli import calibrate, check, evaluate, rows, steer, threshold
 from guardrail.cli.evaluate import load_detectors
 from guardrail.console import HelpFormatter, quiet_engine_logs
 from guardrail.errors import GuardrailError
-from guardrail.offline.steering_build import configure_steer, run_steer
+from guardrail.offline.row_scores import score_pairs, scores_for
 
 __all__ = [
     "SUBCOMMANDS",
@@ -161,4 +162,4 @@ register(
         threshold.run,
     )
 )
-register(Subcommand("steer", "build an activation-steering vector", configure_steer, run_steer))
+register(Subcommand("steer", "build an activation-steering vector", steer.configure, steer.run))

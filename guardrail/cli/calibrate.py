@@ -11,18 +11,13 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from guardrail.cli.common import (
-    add_model_arguments,
-    count,
-    read_rows,
-    resolve_model,
-    scores_for,
-    write_json,
-)
+from guardrail.cli.options import add_model_arguments, resolve_model, rows_of, scoring_settings
+from guardrail.cli.output import count, write_json
 from guardrail.errors import ConfigError
 from guardrail.offline.calibration import CalibrationSettings, calibrate_probes
 from guardrail.offline.combined import fit_combined, worst_source_threshold
 from guardrail.offline.datasets import LabelledPair, ScoreTable, pairs_sha256
+from guardrail.offline.row_scores import scores_for
 from guardrail.probe.config import Calibration, ModelProbeConfig, read_model_config
 from guardrail.probe.scoring import HeadKey
 
@@ -155,16 +150,9 @@ def _provenance(
     }
 
 
-def _fit(
-    args: argparse.Namespace, pairs: Sequence[LabelledPair], table: ScoreTable
-) -> dict[str, Any]:
-    labels = np.array([p.label for p in pairs])
-    if len(np.unique(labels)) < 2:
-        raise ConfigError(
-            f"calibration needs clean and injected rows; got {len(pairs)} scored "
-            f"rows with labels {sorted(set(labels.tolist()))}"
-        )
-    settings = CalibrationSettings(
+def calibration_settings(args: argparse.Namespace) -> CalibrationSettings:
+    """The fit's settings from the command line (a layer budget widens the sweep to reach it)."""
+    return CalibrationSettings(
         target_fpr=args.target_fpr,
         threshold_rule=args.threshold_rule,
         max_layers=max(args.max_layers, args.layers if isinstance(args.layers, int) else 0),
@@ -174,6 +162,17 @@ def _fit(
         folds=args.folds,
         seed=args.seed,
     )
+
+
+def _fit(
+    settings: CalibrationSettings, pairs: Sequence[LabelledPair], table: ScoreTable
+) -> dict[str, Any]:
+    labels = np.array([p.label for p in pairs])
+    if len(np.unique(labels)) < 2:
+        raise ConfigError(
+            f"calibration needs clean and injected rows; got {len(pairs)} scored "
+            f"rows with labels {sorted(set(labels.tolist()))}"
+        )
     with tqdm(total=settings.max_layers, desc="layer sweep", unit="layer") as bar:
         return calibrate_probes(
             table.values,
@@ -186,14 +185,14 @@ def _fit(
 
 
 def combined_probe(
-    args: argparse.Namespace,
+    settings: CalibrationSettings,
     pairs: Sequence[LabelledPair],
     table: ScoreTable,
     layers: Sequence[int],
 ) -> dict[str, Any]:
     """The combined probe over every head of ``layers`` (the attention probe's layer budget)
-    and the table's hidden layers; its threshold flags at most ``--target-fpr`` of the clean
-    rows of every corpus (``corpus`` field, else task), on out-of-fold focus."""
+    and the table's hidden layers; its threshold flags at most ``settings.target_fpr`` of the
+    clean rows of every corpus (``corpus`` field, else task), on out-of-fold focus."""
     cols = [j for j, (layer, _) in enumerate(table.heads) if layer in set(layers)]
     labels = np.array([p.label for p in pairs])
     fit = fit_combined(
@@ -202,17 +201,16 @@ def combined_probe(
         table.hidden,
         labels,
         [p.group for p in pairs],
-        feature=args.feature,
-        folds=args.folds,
-        seed=args.seed,
+        feature=settings.feature,
+        folds=settings.folds,
+        seed=settings.seed,
         data_mean=table.data_mean,
     )
     sources = [str(p.extra.get("corpus") or p.task) for p in pairs]
-    threshold, per_source = worst_source_threshold(fit.oof_focus, labels, sources, args.target_fpr)
-    values = {f"worst-source fpr@{args.target_fpr:g}": round(threshold, 6)}
-    values.update(
-        {f"{name} fpr@{args.target_fpr:g}": round(v, 6) for name, v in per_source.items()}
-    )
+    fpr = settings.target_fpr
+    threshold, per_source = worst_source_threshold(fit.oof_focus, labels, sources, fpr)
+    values = {f"worst-source fpr@{fpr:g}": round(threshold, 6)}
+    values.update({f"{name} fpr@{fpr:g}": round(v, 6) for name, v in per_source.items()})
     return {
         **fit.probe_fields(),
         "threshold": float(np.clip(threshold, 0.0, 1.0)),
@@ -221,27 +219,66 @@ def combined_probe(
         "notes": f"L1 logistic on {fit.feature} of the heads of layers {sorted(layers)} and the "
         f"hidden state of layers {sorted(table.hidden)} (last prompt token) and "
         f"{sorted(table.data_mean)} (data tokens' mean), C={fit.c}; threshold flags at most "
-        f"{args.target_fpr:g} of every corpus' clean rows (out-of-fold focus)",
+        f"{fpr:g} of every corpus' clean rows (out-of-fold focus)",
+    }
+
+
+def _fit_probes(
+    settings: CalibrationSettings, pairs: Sequence[LabelledPair], table: ScoreTable
+) -> dict[str, Any]:
+    """:func:`calibrate_probes`' result, with the combined probe added when the table holds
+    hidden states (and chosen when asked for, or when ``auto`` finds it best)."""
+    if settings.probe == "combined" and not (table.hidden or table.data_mean):
+        raise ConfigError(
+            "--probe combined needs --hidden-layers and/or --data-mean-layers (the layers it reads)"
+        )
+    result = _fit(settings, pairs, table)
+    if table.hidden or table.data_mean:
+        layers = sorted({layer for layer, _ in result["probes"]["logistic"]["heads"]})
+        result["probes"]["combined"] = combined_probe(settings, pairs, table, layers)
+        if settings.probe in ("auto", "combined"):
+            best = max(result["probes"], key=lambda k: result["probes"][k]["cv_auroc"])
+            result["chosen"] = "combined" if settings.probe == "combined" else best
+    return result
+
+
+def _report(
+    result: dict[str, Any],
+    configs: dict[str, ModelProbeConfig],
+    model_id: str,
+    table: ScoreTable,
+    provenance: dict[str, Any],
+) -> dict[str, Any]:
+    """The calibration report's fields about the fit: the layer sweep (each step's config
+    too), the chosen kind, each kind's CV AUROC and config."""
+    sweep = [
+        {
+            "num_layers": len(e["layers"]),
+            "num_heads": len(e["probe"]["heads"]),
+            **{k: v for k, v in e.items() if k != "probe"},
+            "config": probe_config(
+                e["probe"], "logistic", model_id, table.heads, provenance
+            ).model_dump(mode="json"),
+        }
+        for e in result["layer_sweep"]
+    ]
+    return {
+        **{k: result[k] for k in ("chosen", "selection_n", "n_search")},
+        "layer_sweep": sweep,
+        "cv_auroc": {k: p["cv_auroc"] for k, p in result["probes"].items()},
+        "configs": {k: c.model_dump(mode="json") for k, c in configs.items()},
     }
 
 
 def run(args: argparse.Namespace, engine: Any) -> int:
     model, default_id = resolve_model(args.model)
     model_id = args.model_id or default_id
-    pairs, labelled = read_rows(args, args.exclude_split, False, args.twins_per_row)
-    pairs, table, skipped, score_seconds = scores_for(pairs, args, model, "all", engine)
+    pairs, labelled = rows_of(args, args.exclude_split, False, args.twins_per_row)
+    pairs, table, skipped, score_seconds = scores_for(
+        pairs, model, "all", scoring_settings(args), engine
+    )
     started = time.perf_counter()
-    if args.probe == "combined" and not (table.hidden or table.data_mean):
-        raise ConfigError(
-            "--probe combined needs --hidden-layers and/or --data-mean-layers (the layers it reads)"
-        )
-    result = _fit(args, pairs, table)
-    if table.hidden or table.data_mean:
-        layers = sorted({layer for layer, _ in result["probes"]["logistic"]["heads"]})
-        result["probes"]["combined"] = combined_probe(args, pairs, table, layers)
-        if args.probe in ("auto", "combined"):
-            best = max(result["probes"], key=lambda k: result["probes"][k]["cv_auroc"])
-            result["chosen"] = "combined" if args.probe == "combined" else best
+    result = _fit_probes(calibration_settings(args), pairs, table)
     fit_seconds = time.perf_counter() - started
     provenance = _provenance(args, pairs, labelled, skipped, table)
     streams = [*table.hidden.values(), *table.data_mean.values()]
@@ -254,17 +291,6 @@ def run(args: argparse.Namespace, engine: Any) -> int:
     write_json(path, configs[result["chosen"]].model_dump(mode="json"))
     read_model_config(path)  # what was written loads and validates
     if args.report:
-        sweep = [
-            {
-                "num_layers": len(e["layers"]),
-                "num_heads": len(e["probe"]["heads"]),
-                **{k: v for k, v in e.items() if k != "probe"},
-                "config": probe_config(
-                    e["probe"], "logistic", model_id, table.heads, provenance
-                ).model_dump(mode="json"),
-            }
-            for e in result["layer_sweep"]
-        ]
         write_json(
             args.report,
             {
@@ -274,10 +300,7 @@ def run(args: argparse.Namespace, engine: Any) -> int:
                 "skipped": {"count": len(skipped), "rows": skipped[:50]},
                 "scoring_seconds": round(score_seconds, 1),
                 "fit_seconds": round(fit_seconds, 1),
-                **{k: result[k] for k in ("chosen", "selection_n", "n_search")},
-                "layer_sweep": sweep,
-                "cv_auroc": {k: p["cv_auroc"] for k, p in result["probes"].items()},
-                "configs": {k: c.model_dump(mode="json") for k, c in configs.items()},
+                **_report(result, configs, model_id, table, provenance),
             },
         )
     chosen = configs[result["chosen"]]

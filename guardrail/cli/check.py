@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from guardrail.cli.common import add_engine_arg, write_json
+from guardrail.cli.options import add_engine_arg
+from guardrail.cli.output import write_json
 
 __all__ = ["configure", "describe", "run"]
 

@@ -10,15 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from guardrail.cli.common import (
-    add_model_arguments,
-    config_focus,
-    hidden_layers_for,
-    read_rows,
-    resolve_model,
-    scores_for,
-    write_json,
-)
+from guardrail.cli.options import add_model_arguments, resolve_model, rows_of, scoring_settings
+from guardrail.cli.output import write_json
 from guardrail.errors import ConfigError
 from guardrail.offline.datasets import LabelledPair, ScoreTable
 from guardrail.offline.evaluation import (
@@ -29,6 +22,7 @@ from guardrail.offline.evaluation import (
     plot_layer_sweep,
     plot_roc,
 )
+from guardrail.offline.row_scores import config_focus, scores_for
 from guardrail.probe.config import ModelProbeConfig, read_model_config
 
 
@@ -136,12 +130,11 @@ def _measure(
 def run(args: argparse.Namespace, engine: Any) -> int:
     model, _ = resolve_model(args.model)
     configs, sweep = load_detectors(args.config)
-    pairs, _ = read_rows(args, args.split, held_out=True)
-    needed = sorted(
-        {h for c in [*configs.values(), *(e["config"] for e in sweep)] for h in c.heads}
-    )
-    hidden_layers_for(args, [*configs.values(), *(e["config"] for e in sweep)])
-    pairs, table, skipped, seconds = scores_for(pairs, args, model, needed, engine)
+    pairs, _ = rows_of(args, args.split, held_out=True)
+    every = [*configs.values(), *(e["config"] for e in sweep)]
+    needed = sorted({h for c in every for h in c.heads})
+    settings = scoring_settings(args, every)
+    pairs, table, skipped, seconds = scores_for(pairs, model, needed, settings, engine)
     labels = [p.label for p in pairs]
     detectors, fields = _measure(pairs, table, configs, sweep)
     out, plots = args.out_dir, args.plot_dir or args.out_dir

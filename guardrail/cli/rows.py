@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from guardrail.cli.common import add_data_argument
+from guardrail.cli.options import add_data_argument
 from guardrail.offline.datasets import (
     load_pairs,
     short_crops,

@@ -6,17 +6,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from guardrail.cli.common import (
-    add_model_arguments,
-    config_focus,
-    hidden_layers_for,
-    resolve_model,
-    scores_for,
-    write_json,
-)
+from guardrail.cli.options import add_model_arguments, resolve_model, scoring_settings
+from guardrail.cli.output import write_json
 from guardrail.errors import ConfigError
 from guardrail.offline.calibration import retarget_threshold
 from guardrail.offline.datasets import load_pairs, pairs_sha256, sample_groups
+from guardrail.offline.row_scores import config_focus, scores_for
 from guardrail.probe.config import read_model_config, resolve_config
 
 
@@ -51,8 +46,8 @@ def run(args: argparse.Namespace, engine: Any) -> int:
             f"no clean rows in {', '.join(str(p) for p in args.data)}: the threshold is set on "
             "clean requests (label 0, or rows without labels)"
         )
-    hidden_layers_for(args, [config])
-    clean, table, skipped, _ = scores_for(clean, args, model, config.heads, engine)
+    settings = scoring_settings(args, [config])
+    clean, table, skipped, _ = scores_for(clean, model, config.heads, settings, engine)
     source = ", ".join(p.name for p in args.data)
     new, info = retarget_threshold(
         config,

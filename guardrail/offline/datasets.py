@@ -44,6 +44,7 @@ __all__ = [
     "load_pairs",
     "make_injected_twins",
     "pairs_sha256",
+    "read_rows",
     "read_split",
     "sample_groups",
     "short_crops",
@@ -421,6 +422,37 @@ def read_split(path: str | Path) -> set[str]:
             f"invalid split file {path}: {exc!r}; expected a JSON object with "
             "'held_out_groups': {task: [group ids]}"
         ) from exc
+
+
+def read_rows(
+    paths: Sequence[str | Path],
+    split: str | Path | None = None,
+    *,
+    held_out: bool = False,
+    max_groups_per_task: int | None = None,
+    seed: int = 0,
+    twins: int = 3,
+) -> tuple[list[LabelledPair], bool]:
+    """Rows of ``paths`` to score, and whether they were labelled: one side of ``split``
+    (``held_out=True`` keeps its held-out groups, False the others), at most
+    ``max_groups_per_task`` groups per task, and ``twins`` injected twins per row when the
+    rows have no labels.
+
+    Example:
+        >>> pairs, labelled = read_rows(["rows.jsonl"], "split.json",
+        ...                             held_out=True)  # doctest: +SKIP
+    """
+    pairs, labelled = load_pairs(paths)
+    if split is not None:
+        groups = read_split(split)
+        pairs = [p for p in pairs if (p.group in groups) == held_out]
+    if max_groups_per_task:
+        pairs = sample_groups(pairs, max_groups_per_task, seed)
+    if not labelled:
+        pairs = pairs + make_injected_twins(pairs, twins, seed)
+    if not pairs:
+        raise ConfigError("no rows left after the split and subsampling")
+    return pairs, labelled
 
 
 def content_key(pair: LabelledPair) -> str:

@@ -1,4 +1,5 @@
-"""``guardrail steer build``: compute an instruction-following steering vector for a model.
+"""Compute an instruction-following steering vector for a model (``guardrail steer build``,
+whose command line is ``guardrail.cli.steer``).
 
 Procedure (Stolfo et al., ICLR 2025, adapted to prompt injection):
 
@@ -22,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from collections.abc import Mapping, Sequence
@@ -34,10 +34,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from guardrail.console import HelpFormatter
 from guardrail.errors import ConfigError
-from guardrail.offline.datasets import INJECTION_TEMPLATES, LabelledPair, insert_at, load_pairs
-from guardrail.offline.row_schema import rows_help
+from guardrail.offline.datasets import (
+    INJECTION_TEMPLATES,
+    LabelledPair,
+    insert_at,
+    load_pairs,
+    pairs_sha256,
+    read_split,
+)
 from guardrail.probe.prompts import RequestLike
 from guardrail.steering import (
     SteeringBuildInfo,
@@ -50,11 +55,14 @@ from guardrail.steering import (
 __all__ = [
     "CANARIES",
     "SteerExample",
+    "bipia_ideals",
     "build_steering_vector",
-    "configure_steer",
+    "default_layers",
     "layer_scores",
     "make_examples",
-    "run_steer",
+    "open_steering_engine",
+    "select_examples",
+    "selection_score",
     "vectors_by_layer",
 ]
 
@@ -309,112 +317,78 @@ def build_steering_vector(
     return vector(best, {layer: s["score"] for layer, s in scores.items()}), scores
 
 
-# -- command line -------------------------------------------------------------------------------
+# -- rows and engine ---------------------------------------------------------------------------
 
 
-def _layers(text: str) -> list[int]:
-    """``"6:27:3"`` (start:stop:step) or ``"6,9,12"``."""
-    if ":" in text:
-        start, stop, *step = (int(x) for x in text.split(":"))
-        return list(range(start, stop, step[0] if step else 1))
-    return [int(x) for x in text.split(",")]
+def default_layers(num_layers: int) -> list[int]:
+    """The candidate layers when none are given: every third layer from a fifth of the depth
+    to the third-last.
 
-
-def configure_steer(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``guardrail steer`` (one action for now: ``build``)."""
-    actions = parser.add_subparsers(dest="steer_action", required=True, metavar="ACTION")
-    build = actions.add_parser(
-        "build",
-        help="compute a steering vector and write its file",
-        description="Compute a steering vector from clean rows and write its file.",
-        formatter_class=HelpFormatter,
-        epilog=rows_help(
-            (("ideal", "reference answer to the instruction (or --bipia-raw); clean rows only"),)
-        ),
-    )
-    build.add_argument(
-        "--data", nargs="+", required=True, type=Path, help="JSONL files of rows (format: below)"
-    )
-    build.add_argument("--out", required=True, type=Path, help="directory for the .steer file")
-    build.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M)")
-    build.add_argument("--model-id", help="model id recorded in the file (default: derived)")
-    build.add_argument("--name", help="vector name (default: last part of the model id)")
-    build.add_argument(
-        "--bipia-raw",
-        type=Path,
-        help="BIPIA raw/ dir: reference answers by source context (default: none, each row's "
-        "ideal field)",
-    )
-    build.add_argument(
-        "--exclude-split",
-        type=Path,
-        help="split file whose groups stay out (default: none)",
-    )
-    build.add_argument(
-        "--layers",
-        type=_layers,
-        help="candidate layers, start:stop:step or a,b,c (default: every third layer from L/5)",
-    )
-    build.add_argument(
-        "--method",
-        choices=["adjust_rs", "add_vector"],
-        default="adjust_rs",
-        help="adjust_rs sets the stream's projection on the vector to c * avg_proj; add_vector "
-        "adds c times the vector",
-    )
-    build.add_argument("--coefficient", type=float, default=1.0, help="c of --method")
-    build.add_argument(
-        "--max-data-chars", type=int, default=1200, help="rows with longer data are left out"
-    )
-    build.add_argument(
-        "--train-per-task", type=int, default=16, help="rows per task the vector is built from"
-    )
-    build.add_argument(
-        "--validation-per-task",
-        type=int,
-        default=8,
-        help="rows per task (other source contexts) the layer is picked on",
-    )
-    build.add_argument("--seed", type=int, default=0, help="seed of the row draw and injections")
-    build.add_argument("--max-model-len", type=int, default=2048, help="vLLM's max_model_len")
+    Example:
+        >>> default_layers(30)
+        [6, 9, 12, 15, 18, 21, 24, 27]
+    """
+    return list(range(num_layers // 5, num_layers - 2, 3))
 
 
 def select_examples(
-    args: argparse.Namespace,
+    paths: Sequence[str | Path],
+    *,
+    exclude_split: str | Path | None = None,
+    bipia_raw: Path | None = None,
+    max_data_chars: int = 1200,
+    train_per_task: int = 16,
+    validation_per_task: int = 8,
+    seed: int = 0,
 ) -> tuple[list[SteerExample], list[SteerExample], str]:
-    """Training and validation examples (disjoint source contexts) and their sha256."""
-    from guardrail.offline.datasets import pairs_sha256, read_split
+    """Training and validation examples (disjoint source contexts) and their sha256, from the
+    clean rows of ``paths``: rows of ``exclude_split``'s held-out groups and rows whose data is
+    longer than ``max_data_chars`` stay out; ``bipia_raw`` supplies BIPIA's ideal answers.
 
-    pairs, _ = load_pairs(args.data)
-    held = read_split(args.exclude_split) if args.exclude_split else set()
-    ideals = bipia_ideals(args.bipia_raw) if args.bipia_raw else {}
+    Example:
+        >>> train, validation, sha = select_examples(["rows.jsonl"],
+        ...                                          train_per_task=4)  # doctest: +SKIP
+    """
+    pairs, _ = load_pairs(paths)
+    held = read_split(exclude_split) if exclude_split else set()
+    ideals = bipia_ideals(bipia_raw) if bipia_raw else {}
     rows = []
     for pair in pairs:
-        if pair.label != 0 or pair.group in held or len(pair.data) > args.max_data_chars:
+        if pair.label != 0 or pair.group in held or len(pair.data) > max_data_chars:
             continue
         if pair.group in ideals:
             pair = LabelledPair(
                 **{**pair.__dict__, "extra": {**pair.extra, "ideal": ideals[pair.group]}}
             )
         rows.append(pair)
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     rng.shuffle(rows)
     train: list[LabelledPair] = []
     validation: list[LabelledPair] = []
     for task in sorted({p.task for p in rows}):
         of_task = [p for p in rows if p.task == task]
-        validation += of_task[: args.validation_per_task]
-        train += of_task[args.validation_per_task : args.validation_per_task + args.train_per_task]
+        validation += of_task[:validation_per_task]
+        train += of_task[validation_per_task : validation_per_task + train_per_task]
     if not train or not validation:
         raise ConfigError("not enough clean rows for a training and a validation side")
     return (
-        make_examples(train, args.seed),
-        make_examples(validation, args.seed + 1),
+        make_examples(train, seed),
+        make_examples(validation, seed + 1),
         pairs_sha256(train + validation),
     )
 
 
-def _open_engine(args: argparse.Namespace) -> Any:
+def open_steering_engine(
+    model: str | None = None,
+    model_id: str | None = None,
+    *,
+    max_model_len: int = 2048,
+    seed: int = 0,
+) -> Any:
+    """A ``HookedLLM`` to build a vector with (eager: steering needs it), over ``model`` (the
+    embedded SmolLM2 when None) with its shipped probe config, or one cheap head when it has
+    none; ``model_id`` names the model in the config and the vector. Sets
+    ``VLLM_CPU_KVCACHE_SPACE=2`` unless already set."""
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -422,62 +396,16 @@ def _open_engine(args: argparse.Namespace) -> Any:
     from guardrail.errors import ModelConfigNotFoundError
     from guardrail.probe.config import ModelProbeConfig, load_model_config
 
-    if args.model is None:
+    if model is None:
         from guardrail.embedded import EMBEDDED_MODEL_ID, embedded_model_path
 
-        model, model_id = str(embedded_model_path()), EMBEDDED_MODEL_ID
+        path, default_id = str(embedded_model_path()), EMBEDDED_MODEL_ID
     else:
-        model, model_id = args.model, Path(args.model).name
+        path, default_id = model, Path(model).name
     try:
-        config = load_model_config(model)
+        config = load_model_config(path)
     except ModelConfigNotFoundError:  # building needs no probe: one head keeps it cheap
-        config = ModelProbeConfig(model_id=args.model_id or model_id, heads=[(0, 0)])
-    if args.model_id:
-        config = config.model_copy(update={"model_id": args.model_id})
-    return HookedLLM(
-        model,
-        config,
-        enforce_eager=True,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
-
-
-def run_steer(args: argparse.Namespace, engine: Any = None) -> int:
-    """Run ``guardrail steer build``; ``engine`` reuses a started ``HookedLLM`` (tests)."""
-    train, validation, sha = select_examples(args)
-    own = engine is None
-    engine = _open_engine(args) if own else engine
-    try:
-        num_layers = engine.model_info["num_layers"]
-        layers = args.layers or list(range(num_layers // 5, num_layers - 2, 3))
-        name = args.name or engine.config.model_id.split("/")[-1]
-        files = ", ".join(p.name for p in args.data)
-        vector, scores = build_steering_vector(
-            engine,
-            train,
-            validation,
-            layers,
-            name=name,
-            method=args.method,
-            coefficient=args.coefficient,
-            dataset=f"{files}: clean rows with generated canary injections"
-            + (
-                f", minus the held-out groups of {args.exclude_split.name}"
-                if args.exclude_split
-                else ""
-            ),
-            sha256=sha,
-        )
-    finally:
-        if own:
-            engine.close()
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = vector.save(args.out / f"{name}.steer.safetensors")
-    for layer, s in sorted(scores.items()):
-        print(
-            f"layer {layer:3d}: score {s['score']:+.4f}  "
-            + "  ".join(f"{k} {v:+.4f}" for k, v in s.items() if k != "score")
-        )
-    print(f"wrote {path}: layer {vector.layer}, avg_proj {vector.metadata.avg_proj:.3f}")
-    return 0
+        config = ModelProbeConfig(model_id=model_id or default_id, heads=[(0, 0)])
+    if model_id:
+        config = config.model_copy(update={"model_id": model_id})
+    return HookedLLM(path, config, enforce_eager=True, max_model_len=max_model_len, seed=seed)

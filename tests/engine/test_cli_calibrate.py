@@ -263,18 +263,16 @@ class StopsAfter:
 
 
 def test_a_stopped_scoring_run_resumes_from_the_cache(tiny_engine, tmp_path):
-    import argparse
-
-    from guardrail.cli import scores_for
+    from guardrail.offline.row_scores import ScoringSettings, scores_for
 
     pairs = write_rows(tmp_path / "rows.jsonl", labelled=True)  # 18 rows
     cache = tmp_path / "scores.npz"
-    args = argparse.Namespace(scores_cache=cache, batch_size=4, max_prompt_tokens=None)
+    settings = ScoringSettings(scores_cache=cache, batch_size=4)
     with pytest.raises(KeyboardInterrupt):
-        scores_for(pairs, args, "tiny", "all", StopsAfter(tiny_engine, calls=2))
+        scores_for(pairs, "tiny", "all", settings, StopsAfter(tiny_engine, calls=2))
     assert len(ScoreTable.load(cache).keys) == 8  # two batches were saved as they finished
     resumed = StopsAfter(tiny_engine)
-    kept, table, skipped, _ = scores_for(pairs, args, "tiny", "all", resumed)
+    kept, table, skipped, _ = scores_for(pairs, "tiny", "all", settings, resumed)
     assert resumed.rows == 10 and not skipped and len(kept) == 18
     reference, _ = score_pairs(tiny_engine, kept)  # one uninterrupted pass
     np.testing.assert_allclose(table.values, reference.values, atol=1e-5)

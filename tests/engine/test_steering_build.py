@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from guardrail.cli import main
+from guardrail.cli.steer import layer_list
 from guardrail.offline.datasets import LabelledPair
-from guardrail.offline.steering_build import CANARIES, _layers, make_examples, select_examples
+from guardrail.offline.steering_build import CANARIES, make_examples, select_examples
 from guardrail.steering import SteeringVector, direction_from_pairs
 from tests.helpers import _load
 
@@ -49,7 +50,7 @@ def test_examples_carry_a_checkable_canary():
     assert examples[0].request(True, with_instruction=False) == [
         {"role": "user", "content": "Data: " + examples[0].injected}
     ]
-    assert _layers("6:27:3") == [6, 9, 12, 15, 18, 21, 24] and _layers("1,3") == [1, 3]
+    assert layer_list("6:27:3") == [6, 9, 12, 15, 18, 21, 24] and layer_list("1,3") == [1, 3]
 
 
 def test_steer_build_writes_a_vector_equal_to_an_hf_recomputation(
@@ -67,10 +68,7 @@ def test_steer_build_writes_a_vector_equal_to_an_hf_recomputation(
     assert tiny_engine.steering_vectors == {}  # the candidates were unloaded
 
     # independent recomputation: HF hidden states of the same rendered prompts
-    from guardrail.cli import build_parser
-
-    args = build_parser().parse_args(argv)
-    train, _, _ = select_examples(args)
+    train, _, _ = select_examples([data], train_per_task=4, validation_per_task=2)
     model = _load(str(tiny_llama_dir))
     streams: dict[bool, list[torch.Tensor]] = {True: [], False: []}
     for example in train:

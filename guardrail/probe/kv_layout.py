@@ -38,22 +38,29 @@ from collections.abc import Callable
 
 import torch
 
+KeyView = Callable[[torch.Tensor], torch.Tensor]
+"""``kv_cache -> keys [num_blocks, block_size, num_kv_heads, head_size]``: a strided view of the
+key channels, no copy (the fused probe kernel reads it through its strides)."""
+
 KeyGather = Callable[..., torch.Tensor]
 """``(kv_cache, slots [*S], kv_heads=None) -> keys``: ``[*S, num_kv_heads, head_size]``, or with
 ``kv_heads`` (a long tensor broadcastable against ``slots``) only those heads,
 ``[*broadcast(S, kv_heads.shape), head_size]`` (one gather for a layer's scored heads)."""
 
 _KV_LAYOUTS: dict[tuple[str, str | None], tuple[KeyGather, str]] = {}
+_KEY_VIEWS: dict[tuple[str, str | None], KeyView] = {}
 
 
 def register_kv_layout(
-    backend_name: str, *, isa: str | None = None, note: str = ""
+    backend_name: str, *, isa: str | None = None, note: str = "", view: KeyView | None = None
 ) -> Callable[[KeyGather], KeyGather]:
     """Register the decorated function as the key reader of ``backend_name`` (and ``isa``).
 
     ``backend_name`` is the class name of the attention layer's ``impl``; ``isa`` the layer's
     ``isa`` attribute, or ``None`` for a layout that does not depend on one. ``note`` (when the
-    layout applies, how to get it) is shown in the error for unsupported layouts. Registering the
+    layout applies, how to get it) is shown in the error for unsupported layouts. ``view``, where
+    the keys of a block are addressable by strides, gives them as a ``KeyView`` (the fused probe
+    kernel reads through it; without one the probe gathers with the reader). Registering the
     same backend and ISA twice is an error, never a silent override.
 
     Example:
@@ -73,6 +80,8 @@ def register_kv_layout(
                 f"({_KV_LAYOUTS[key][0].__qualname__})"
             )
         _KV_LAYOUTS[key] = (gather, note)
+        if view is not None:
+            _KEY_VIEWS[key] = view
         return gather
 
     return register
@@ -82,8 +91,21 @@ def _describe(backend_name: str, isa: str | None) -> str:
     return backend_name if isa is None else f"{backend_name} (isa {isa!r})"
 
 
+def cpu_vec_key_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The CPU (ISA ``vec``) cache's keys as [blocks, block_size, kv_heads, dim] (a view).
+
+    Example:
+        >>> cpu_vec_key_view(torch.zeros(4, 1, 2, 2 * 3)).shape
+        torch.Size([4, 2, 1, 3])
+    """
+    num_blocks, num_kv_heads, block_size, two_dims = kv_cache.shape
+    tiles = kv_cache.view(num_blocks, num_kv_heads, 2, two_dims // 2, block_size)
+    return tiles[:, :, 0].permute(0, 3, 1, 2)
+
+
 @register_kv_layout(
     "CPUAttentionBackendImpl",
+    view=cpu_vec_key_view,
     isa="vec",
     note="vLLM's CPU backend on x86 (on CPUs with AMX: dtype not bfloat16), block size and head "
     "size multiples of 32",
@@ -117,8 +139,21 @@ def cpu_vec_keys(
     return tiles[slots // block_size, kv_heads, 0, :, slots % block_size]
 
 
+def flash_attn_key_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The FlashAttention cache's keys as [blocks, block_size, kv_heads, dim] (a view, any
+    stride order: the first ``dim`` channels of the logical [blocks, kv_heads, block_size,
+    2 * dim] cache).
+
+    Example:
+        >>> flash_attn_key_view(torch.zeros(4, 2, 16, 2 * 8)).shape
+        torch.Size([4, 16, 2, 8])
+    """
+    return kv_cache[..., : kv_cache.shape[-1] // 2].transpose(1, 2)
+
+
 @register_kv_layout(
     "FlashAttentionImpl",
+    view=flash_attn_key_view,
     note="vLLM's FlashAttention backend on GPU (--attention-backend FLASH_ATTN), any KV cache "
     "layout",
 )
@@ -145,6 +180,16 @@ def flash_attn_keys(
             return keys[slots // block_size, :, slots % block_size]
         return keys[slots // block_size, kv_heads, slots % block_size]
     return flat[slots] if kv_heads is None else flat[slots, kv_heads]
+
+
+def key_view_for(backend_name: str, isa: str | None) -> KeyView | None:
+    """The key view registered for an attention backend (and ISA), or None.
+
+    Example:
+        >>> key_view_for("FlashAttentionImpl", None) is flash_attn_key_view
+        True
+    """
+    return _KEY_VIEWS.get((backend_name, isa)) or _KEY_VIEWS.get((backend_name, None))
 
 
 BACKEND_FIXES = {

@@ -121,6 +121,7 @@ class GuardrailWorkerExtension:
             **info,
             "hooked_layers": sorted(probe.layers),
             "hidden_layers": sorted(probe.hidden),
+            "probe_kernel": "triton" if probe.settings.fused else "torch",
         }
 
     def guardrail_uninstall(self) -> None:

@@ -31,7 +31,8 @@ import torch
 
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.device_focus import DeviceFocus
-from guardrail.probe.kv_layout import KeyGather, key_gather_for
+from guardrail.probe.fused_stats import fused_available, span_stats_into
+from guardrail.probe.kv_layout import KeyGather, KeyView, key_gather_for, key_view_for
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, batched_logits, stats_from_logits
 from guardrail.protocol import (
     MAX_STORED_RESULTS,
@@ -48,6 +49,7 @@ from guardrail.worker.rows import (
     NONFINITE,
     OTHER_RANK,
     HostStaging,
+    PinnedTables,
     StepRows,
     batch_layout,
     check_slots,
@@ -88,6 +90,7 @@ class Layer:
     impl: Any
     original_forward: Any
     had_instance_forward: bool
+    column: int = 0  # where its heads start in the step's table of this rank's heads
 
 
 @dataclass
@@ -106,6 +109,7 @@ class _Finished:
 
     rows: StepRows
     table: torch.Tensor  # [K, columns] float64 on the host (pinned on CUDA)
+    buffer: torch.Tensor | None  # the pinned buffer ``table`` lives in (back to the pool)
     event: Any  # torch.cuda.Event, or None on CPU
     columns: dict[str, slice]
     seconds: float
@@ -119,6 +123,7 @@ class ProbeSettings:
     tp_size: int = 1
     pp_size: int = 1
     device: Any = "cpu"
+    fused: bool = False  # one Triton kernel per layer (``guardrail.probe.fused_stats``)
 
 
 class Probe:
@@ -147,6 +152,8 @@ class Probe:
         self.finish_on_hidden = False  # ... or after this decoder layer's output
         self.needs_data_slots = False  # a hidden reader averages over the data tokens
         self.gather: KeyGather = _no_gather
+        self.key_view: KeyView | None = None  # the cache's keys by strides (fused kernel)
+        self.columns = 0  # this rank's heads over all hooked layers: the stats table's width
         self.results: OrderedDict[str, ProbeResultData] = OrderedDict()
         self.finished: deque[_Finished] = deque()
         # internal request id -> probe key while the request still waits for its score, else None
@@ -163,6 +170,7 @@ class Probe:
         self._rank_columns: torch.Tensor | None = None  # this rank's heads in the TP table
         self.head_order: list[list[int]] = []  # table_heads as sent with results (``ready``)
         self.staging = HostStaging(settings.device)  # the step's host arrays to the device
+        self.tables = PinnedTables()  # the step's results back to the host
 
     def ready(self) -> None:
         """Called once the layers are hooked: fixes the table layout and the device focus."""
@@ -172,6 +180,10 @@ class Probe:
             i for i, r in self.hidden.items() if r.last is not None or r.mean is not None
         )
         self.head_order = [[layer, head] for layer, head in self.table_heads]
+        column = 0
+        for layer in self.layers.values():
+            layer.column, column = column, column + len(layer.global_heads)
+        self.columns = column
         config = self.config
         if config is not None and self.settings.pp_size == 1:
             self.focus = DeviceFocus(config, self.table_heads, self.term_layers, self.device)
@@ -239,6 +251,10 @@ class Probe:
             )
             if self.needs_data_slots:  # the memo is read through the block table: check it
                 check_slots(self.rows, metadata.slot_mapping)
+            if self.settings.fused and self.rows.scored:
+                self.rows.stats = torch.empty(
+                    self.rows.scored, self.columns, WIDTH, dtype=torch.float32, device=self.device
+                )
         return self.rows
 
     # -- per layer -----------------------------------------------------------------------------
@@ -264,6 +280,9 @@ class Probe:
             cached = self.gather(kv_cache, rows.last_slots)
             close = torch.isclose(cached.float(), computed.float(), rtol=1e-3, atol=1e-3)
             rows.flag(LAYOUT, ~close.flatten(1).all(1))
+        if rows.stats is not None:
+            self._fused_layer(layer, query.view(query.shape[0], -1, dim), kv_cache)
+            return
         # one gather each: the scored heads' queries [K, h, dim], their keys [K, h, T, dim]
         q = query.view(query.shape[0], -1, dim)[rows.token_column, layer.local_heads]
         chunk = max(1, CHUNK_ELEMENTS // max(tokens * heads * dim, 1))
@@ -275,6 +294,29 @@ class Probe:
                 batched_logits(q[lo:hi], keys, float(layer.impl.scale), layer.impl.logits_soft_cap)
             )
         rows.logits.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+
+    def _fused_layer(self, layer: Layer, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """This layer's stats for every scored row and head, in one kernel, into the step's
+        table (``rows.stats``, at the layer's columns)."""
+        rows = self.rows
+        assert self.key_view is not None and rows.stats is not None
+        assert rows.token_rows is not None and rows.slots is not None
+        assert rows.lengths is not None and rows.instruction is not None and rows.data is not None
+        span_stats_into(
+            rows.stats,
+            layer.column,
+            query,
+            rows.token_rows,
+            layer.local_heads,
+            layer.kv_heads[:, 0],
+            self.key_view(kv_cache),
+            rows.slots,
+            rows.lengths,
+            rows.instruction,
+            rows.data,
+            float(layer.impl.scale),
+            layer.impl.logits_soft_cap,
+        )
 
     # -- end of step ---------------------------------------------------------------------------
     def finish_step(self) -> None:
@@ -300,28 +342,30 @@ class Probe:
             columns[name] = slice(at, at + part.shape[1])
             at += part.shape[1]
             flat.append(part)
-        event = None
+        event = buffer = None
         if flat:
             device_table = torch.cat(flat, dim=1)
-            host = torch.empty(
-                device_table.shape,
-                dtype=torch.float64,
-                pin_memory=device_table.device.type == "cuda",
-            )
-            host.copy_(device_table, non_blocking=True)
             if device_table.device.type == "cuda":
+                buffer = self.tables.take(device_table.numel())
+                host = buffer[: device_table.numel()].view(device_table.shape)
+                host.copy_(device_table, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
+            else:
+                host = device_table.cpu()
         else:
             host = torch.empty(0, 0, dtype=torch.float64)
-        self.finished.append(_Finished(rows, host, event, columns, self.probe_seconds))
+        self.finished.append(_Finished(rows, host, buffer, event, columns, self.probe_seconds))
 
     def _device_table(self, rows: StepRows) -> tuple[dict[str, torch.Tensor], Any]:
         """The step's results as device tensors by name, and the focus (None: no stops)."""
         assert rows.flags is not None and rows.valid is not None
         assert rows.instruction is not None and rows.data is not None
-        logits = torch.cat(rows.logits, dim=1)  # [K, local heads of every layer, T]
-        stats = stats_from_logits(logits, rows.valid, rows.instruction, rows.data)
+        if rows.stats is not None:  # the fused kernel wrote it layer by layer
+            stats = rows.stats
+        else:
+            logits = torch.cat(rows.logits, dim=1)  # [K, local heads of every layer, T]
+            stats = stats_from_logits(logits, rows.valid, rows.instruction, rows.data)
         flags = rows.flags
         if self.settings.tp_size > 1:
             stats, flags = self._combine_ranks(stats, flags)
@@ -438,6 +482,8 @@ class Probe:
                 row = values[at[i]] if i in at and values.size else None
                 self._fill(result, rows, i, row, done.columns)
                 self.results[key] = result
+            if done.buffer is not None:  # every value was copied out of it
+                self.tables.give(done.buffer)
             while len(self.results) > MAX_STORED_RESULTS:
                 self.results.popitem(last=False)
 
@@ -557,13 +603,18 @@ def install_probe(
     # With pipeline parallelism this stage holds some layers only: it scores their heads, and
     # the caller merges the stages' results (early stops need every layer: refused by the caller).
     heads = [(layer, head) for layer, head in heads if layer in attention_layers]
+    module = next(iter(attention_layers.values()), None)
+    backend = (type(module.impl).__name__, getattr(module, "isa", None)) if module else ("", None)
+    key_view = key_view_for(*backend)
     settings = ProbeSettings(
         block_size=info["block_size"],
         tp_size=info["tp_size"],
         pp_size=info["pp_size"],
         device=runner.device,
+        fused=key_view is not None and fused_available(runner.device),
     )
     probe = Probe(heads, fault_keys, settings, config)
+    probe.key_view = key_view
     by_layer: dict[int, list[int]] = {}
     for layer_index, head in heads:
         local = by_layer.setdefault(layer_index, [])

@@ -26,6 +26,7 @@ __all__ = [
     "FLAG_MESSAGES",
     "FLAG_REASONS",
     "HostStaging",
+    "PinnedTables",
     "StepRows",
     "batch_layout",
     "check_slots",
@@ -75,6 +76,8 @@ class StepRows:
     slots: torch.Tensor | None = None  # [K, T] long: KV slot of every position
     head_slots: torch.Tensor | None = None  # [K, 1, T] the same, to index (row, head, position)
     last_slots: torch.Tensor | None = None  # [K] long: KV slot of the last prompt token
+    lengths: torch.Tensor | None = None  # [K] long: prompt tokens of the row
+    stats: torch.Tensor | None = None  # [K, local heads of every layer, 5]: the fused kernel's
     flags: torch.Tensor | None = None  # [K, len(FLAG_MESSAGES)] bool
     logits: list[torch.Tensor] = field(default_factory=list)  # per hooked layer [K, heads, T]
     terms: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K] logit term
@@ -206,6 +209,29 @@ class HostStaging:
         return out.view(dtype).view(values.shape)
 
 
+class PinnedTables:
+    """Pinned host buffers for the step tables copied back from the device, reused: pinning
+    fresh memory every step costs milliseconds. A buffer handed out by ``take`` comes back by
+    ``give`` once its values were read."""
+
+    KEPT = 8
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+
+    def take(self, size: int) -> torch.Tensor:
+        """A flat pinned float64 host tensor of at least ``size`` elements (contents undefined)."""
+        for i, buffer in enumerate(self._free):
+            if buffer.numel() >= size:
+                return self._free.pop(i)
+        return torch.empty(max(size, 1 << 12), dtype=torch.float64, pin_memory=True)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Return a buffer from ``take`` for reuse (at most ``KEPT`` are kept)."""
+        if len(self._free) < self.KEPT:
+            self._free.append(buffer)
+
+
 def _device_tensors(
     rows: StepRows,
     found: list[tuple[int, int, Any]],
@@ -225,7 +251,15 @@ def _device_tensors(
         for a, b in spec["data"]:
             masks[2, r, a:b] = True
     index = np.array(
-        [[rows.batch_index[i], found[i][1], rows.num_prompt_tokens[i] - 1] for i in ok],
+        [
+            [
+                rows.batch_index[i],
+                found[i][1],
+                rows.num_prompt_tokens[i] - 1,
+                rows.num_prompt_tokens[i],
+            ]
+            for i in ok
+        ],
         dtype=np.int64,
     )
     table = metadata.block_table
@@ -238,7 +272,7 @@ def _device_tensors(
     positions = torch.arange(width, device=device)
     rows.slots = blocks.long()[:, positions // block_size] * block_size + positions % block_size
     rows.head_slots = rows.slots[:, None, :]
-    last = index_d[:, 2]
+    last, rows.lengths = index_d[:, 2], index_d[:, 3]
     rows.last_slots = rows.slots.gather(1, last[:, None])[:, 0]
     rows.flags = torch.zeros(len(ok), len(FLAG_MESSAGES), dtype=torch.bool, device=device)
 

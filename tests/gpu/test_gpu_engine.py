@@ -115,6 +115,7 @@ def test_gpu_stats_equal_hf_with_chunked_prefill_and_prefix_cache(fp16_llama_dir
     engine = _engine(fp16_llama_dir, eager)
     try:
         assert engine.model_info["backend"] == "FlashAttentionImpl", engine.model_info
+        assert engine.model_info.get("probe_kernel") == "triton", engine.model_info
         batch = mixed_batch()
         first = engine.generate(batch, engine.sampling(max_tokens=2))
         second = engine.generate(batch, engine.sampling(max_tokens=2))

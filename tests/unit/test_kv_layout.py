@@ -38,9 +38,12 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from guardrail.probe.kv_layout import (
+    cpu_vec_key_view,
     cpu_vec_keys,
+    flash_attn_key_view,
     flash_attn_keys,
     key_gather_for,
+    key_view_for,
     register_kv_layout,
 )
 
@@ -178,8 +181,10 @@ def _round_trip(
     read: Callable[..., torch.Tensor],
     caches: list[torch.Tensor],
     block_ids: list[int],
+    view: Callable[[torch.Tensor], torch.Tensor],
 ) -> None:
-    """Fill every slot of both layers, write one request's keys, read them back per layer."""
+    """Fill every slot of both layers, write one request's keys, read them back per layer,
+    through the reader and through the key view (what the fused kernel reads)."""
     num_blocks, kv_heads, block_size, two_dims = caches[0].shape
     head_size, dtype = two_dims // 2, caches[0].dtype
     gen = torch.Generator().manual_seed(0)
@@ -213,6 +218,10 @@ def _round_trip(
         assert per_head.shape == (2, len(heads), num_tokens, head_size)
         assert torch.equal(per_head[0], layer_keys[:, heads].transpose(0, 1))
         assert torch.equal(per_head[1], layer_keys.flip(0)[:, heads].transpose(0, 1))
+        keys_view = view(cache)
+        assert keys_view.shape == (num_blocks, block_size, kv_heads, head_size)
+        assert keys_view.data_ptr() == cache.data_ptr()  # a view, no copy
+        assert torch.equal(keys_view[slots // block_size, slots % block_size], layer_keys)
 
 
 # (num_blocks, block_size, kv_heads, head_size, block ids of the request in table order)
@@ -238,7 +247,7 @@ def test_cpu_vec_reads_what_vllms_cpu_backend_wrote(
     num_blocks, block_size, kv_heads, head_size, block_ids, layout, dtype
 ):
     caches = _vllm_kv_caches(layout, num_blocks, block_size, kv_heads, head_size, dtype)
-    _round_trip(_cpu_vec_write, cpu_vec_keys, caches, block_ids)
+    _round_trip(_cpu_vec_write, cpu_vec_keys, caches, block_ids, cpu_vec_key_view)
     # Not vacuous: the CPU kernel does not store keys the way FlashAttention does.
     slots = (torch.tensor(block_ids)[:, None] * block_size + torch.arange(block_size)).flatten()
     assert not torch.equal(flash_attn_keys(caches[0], slots), cpu_vec_keys(caches[0], slots))
@@ -253,7 +262,9 @@ def test_flash_attn_reads_what_vllms_flash_attn_backend_wrote(
     num_blocks, block_size, kv_heads, head_size, block_ids, layout, dtype, monkeypatch
 ):
     caches = _vllm_kv_caches(layout, num_blocks, block_size, kv_heads, head_size, dtype)
-    _round_trip(_flash_attn_write(monkeypatch), flash_attn_keys, caches, block_ids)
+    _round_trip(
+        _flash_attn_write(monkeypatch), flash_attn_keys, caches, block_ids, flash_attn_key_view
+    )
 
 
 def test_unknown_layout_is_refused_with_a_fix():
@@ -289,3 +300,9 @@ def test_gpu_default_backends_without_a_reader_are_refused_with_the_flag_that_fi
     """vLLM's defaults on current NVIDIA GPUs: Triton for float32, FlashInfer on Blackwell."""
     with pytest.raises(ValueError, match=fix):
         key_gather_for(backend, None)
+
+
+def test_key_views_are_registered_with_their_readers():
+    assert key_view_for("FlashAttentionImpl", None) is flash_attn_key_view
+    assert key_view_for("CPUAttentionBackendImpl", "vec") is cpu_vec_key_view
+    assert key_view_for("TritonAttentionImpl", None) is None

@@ -1,0 +1,87 @@
+"""Paged-cache cases for the fused probe kernel and the PyTorch path it replaces (unit tests
+under Triton's interpreter, GPU tests compiled)."""
+
+from __future__ import annotations
+
+import torch
+
+from guardrail.probe import fused_stats
+from guardrail.probe.kv_layout import flash_attn_key_view, flash_attn_keys
+from guardrail.probe.scoring import batched_logits, stats_from_logits
+
+CASES = {
+    # lengths, (instruction spans, data spans) per row
+    "mixed lengths over several blocks": (
+        [37, 150, 5],
+        [([(0, 10)], [(12, 30)]), ([(0, 40), (140, 150)], [(41, 139)]), ([(0, 2)], [(2, 4)])],
+    ),
+    "a row without data, a row with one data token": (
+        [20, 70],
+        [([(1, 19)], []), ([(0, 30)], [(69, 70)])],
+    ),
+    "the data at the start (sink inside the data)": ([64, 65], [([(40, 64)], [(0, 40)])] * 2),
+}
+
+
+def paged_case(
+    lengths, spans, *, heads=(0, 5, 6, 7), q_heads=8, kv=2, dim=16, block=16, seed=0, device="cpu"
+):
+    """A paged cache holding each row's keys in shuffled blocks, the step's queries, and the
+    masks and slots the probe builds for those rows."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    per_row = [-(-n // block) for n in lengths]
+    num_blocks = sum(per_row) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    cache = torch.randn(num_blocks, kv, block, 2 * dim, generator=gen)  # logical layout
+    rows = len(lengths)
+    slots = torch.zeros(rows, width, dtype=torch.long)
+    at = 0
+    for r, n in enumerate(lengths):
+        blocks = order[at : at + per_row[r]]
+        at += per_row[r]
+        positions = torch.arange(n)
+        slots[r, :n] = blocks[positions // block] * block + positions % block
+    query = torch.randn(rows * 3, q_heads, dim, generator=gen) * 2.0
+    token_rows = torch.arange(rows) * 3 + 1
+    valid = torch.zeros(rows, width, dtype=torch.bool)
+    instruction = torch.zeros_like(valid)
+    data = torch.zeros_like(valid)
+    for r, (n, (ins, dat)) in enumerate(zip(lengths, spans, strict=True)):
+        valid[r, :n] = True
+        for a, b in ins:
+            instruction[r, a:b] = True
+        for a, b in dat:
+            data[r, a:b] = True
+    local = torch.tensor(heads)
+    kv_heads = local // (q_heads // kv)
+    case = (cache, query, token_rows, local, kv_heads, slots, valid, instruction, data)
+    return tuple(t.to(device) for t in case)
+
+
+def torch_path(cache, query, token_rows, local, kv_heads, slots, valid, instruction, data, **kw):
+    q = query[token_rows[:, None], local]
+    keys = flash_attn_keys(cache, slots[:, None, :], kv_heads[:, None])
+    logits = batched_logits(q, keys, kw["scale"], kw.get("softcap"))
+    return stats_from_logits(logits, valid, instruction, data)
+
+
+def fused(cache, query, token_rows, local, kv_heads, slots, valid, instruction, data, **kw):
+    out = torch.full((len(token_rows), len(local) + 3, 5), float("nan"), device=query.device)
+    fused_stats.span_stats_into(
+        out,
+        2,
+        query,
+        token_rows,
+        local,
+        kv_heads,
+        flash_attn_key_view(cache),
+        slots,
+        valid.sum(1),
+        instruction,
+        data,
+        kw["scale"],
+        kw.get("softcap"),
+    )
+    assert out[:, :2].isnan().all() and out[:, -1].isnan().all()  # only its own columns
+    return out[:, 2:-1]

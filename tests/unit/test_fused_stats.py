@@ -1,0 +1,55 @@
+"""The fused probe kernel against the PyTorch path it replaces, on the same paged cache.
+
+On CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``): the same program,
+executed with numpy, so its arithmetic is checked wherever Triton is installed. The CPU build of
+vLLM does not install Triton, so CI skips this file; tests/gpu runs the compiled kernel on the
+H200 against the same reference (and the engine's stats against Hugging Face).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from guardrail.probe import fused_stats
+from tests.fused_cases import CASES, fused, paged_case, torch_path
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed (the CPU build of vLLM has none)", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _interpreted(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by Triton when it is first imported
+    if "triton" in sys.modules and "guardrail.probe._fused_kernel" not in sys.modules:
+        pytest.skip("Triton was imported before this test could select its interpreter")
+    fused_stats._kernel.cache_clear()
+    yield
+    fused_stats._kernel.cache_clear()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_kernel_equals_the_torch_path(name, softcap):
+    lengths, spans = CASES[name]
+    case = paged_case(lengths, spans)
+    kw = {"scale": 0.25, "softcap": softcap}
+    expected = torch_path(*case, **kw)
+    got = fused(*case, **kw)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-6)
+
+
+def test_kernel_reads_bfloat16_caches_and_queries():
+    lengths, spans = CASES["mixed lengths over several blocks"]
+    cache, query, *rest = paged_case(lengths, spans, dim=64, block=32, seed=1)
+    case = (cache.bfloat16(), query.bfloat16(), *rest)
+    kw = {"scale": 0.125}
+    torch.testing.assert_close(fused(*case, **kw), torch_path(*case, **kw), rtol=2e-5, atol=2e-6)
+
+
+def test_the_kernel_is_not_offered_without_a_gpu():
+    assert not fused_stats.fused_available("cpu")

@@ -4,8 +4,8 @@
 
 Held-out examples: the clean BIPIA rows of the source contexts listed in
 ``docs/bipia_heldout_split.json`` (never used to build or select the vector), each also given
-``--variants`` generated canary injections (``guardrail.offline.steering_build.CANARIES``; each copy
-another canary and position). Every arm generates the same prompts greedily on one engine
+``--variants`` generated canary injections (``guardrail.offline.steering_examples.CANARIES``;
+each copy another canary and position). Every arm generates the same prompts greedily on one engine
 (SmolLM2-135M-Instruct, float32, eager); arms differ only in steering. Reported per arm:
 
 - attack success: share of injected prompts whose output contains the canary (the automatic
@@ -44,7 +44,7 @@ DEFAULT_VECTOR = "SmolLM2-135M-Instruct"
 def held_out_rows(per_task: int, max_chars: int) -> list[Any]:
     """Clean held-out rows (the split file's source contexts), with BIPIA reference answers."""
     from guardrail.offline.datasets import LabelledPair, load_pairs, read_split
-    from guardrail.offline.steering_build import bipia_ideals
+    from guardrail.offline.steering_examples import bipia_ideals
 
     pairs, _ = load_pairs(sorted(DATA.glob("bipia_*_train_pairs.jsonl")))
     held = read_split(ROOT / "docs" / "bipia_heldout_split.json")
@@ -65,7 +65,7 @@ def held_out_rows(per_task: int, max_chars: int) -> list[Any]:
 def injected_variants(rows: list[Any], variants: int, seed: int) -> list[Any]:
     """``variants`` injected copies of each row: each with another canary and position
     (rotating the rows shifts the canary and position each row gets)."""
-    from guardrail.offline.steering_build import make_examples
+    from guardrail.offline.steering_examples import make_examples
 
     out = []
     for v in range(variants):
@@ -263,7 +263,7 @@ def main() -> None:
     from guardrail.steering import Steering
 
     rows = held_out_rows(args.per_task, args.max_chars)
-    from guardrail.offline.steering_build import make_examples
+    from guardrail.offline.steering_examples import make_examples
 
     sets = (injected_variants(rows, args.variants, seed=100), make_examples(rows, seed=100))
     try:  # the calibrated config serving uses

@@ -39,6 +39,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="injected twins per benign row, when the data has no labels",
     )
+    _add_fit_arguments(parser)
+    parser.add_argument(
+        "--report",
+        type=Path,
+        help="write the full calibration report (JSON) here (default: none, only the config)",
+    )
+
+
+def _add_fit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of the fit: probe kind, feature, threshold rule, layer budget, folds."""
     parser.add_argument(
         "--probe",
         choices=["auto", "logistic", "mean_focus", "combined"],
@@ -78,11 +88,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(the sweep's step with that many; the report lists them all)",
     )
     parser.add_argument("--folds", type=int, default=5, help="cross-validation folds (by group)")
-    parser.add_argument(
-        "--report",
-        type=Path,
-        help="write the full calibration report (JSON) here (default: none, only the config)",
-    )
 
 
 def _layer_budget(text: str) -> int | str:

@@ -1,6 +1,7 @@
 """``guardrail steer build``: build an activation-steering vector and write its file.
 
-The command line only: the procedure (examples, vectors, layer search) is
+The command line only: the procedure is the library's, the examples in
+:mod:`guardrail.offline.steering_examples`, vectors and the layer search in
 :mod:`guardrail.offline.steering_build`.
 """
 
@@ -16,8 +17,8 @@ from guardrail.offline.steering_build import (
     build_steering_vector,
     default_layers,
     open_steering_engine,
-    select_examples,
 )
+from guardrail.offline.steering_examples import select_examples
 
 __all__ = ["configure", "layer_list", "run"]
 

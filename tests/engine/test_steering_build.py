@@ -12,7 +12,7 @@ import torch
 from guardrail.cli import main
 from guardrail.cli.steer import layer_list
 from guardrail.offline.datasets import LabelledPair
-from guardrail.offline.steering_build import CANARIES, make_examples, select_examples
+from guardrail.offline.steering_examples import CANARIES, make_examples, select_examples
 from guardrail.steering import SteeringVector, direction_from_pairs
 from tests.helpers import _load
 

@@ -13,10 +13,12 @@ from guardrail.guard.guarded import (
     VerdictObserver,
 )
 from guardrail.guard.retry import RetryLoop, retry_vector
+from guardrail.guard.settings import GuardSettings
 
 __all__ = [
     "BLOCKED_FINISH_REASON",
     "DEFAULT_REFUSAL",
+    "GuardSettings",
     "GuardedLLM",
     "GuardedResult",
     "RetryLoop",

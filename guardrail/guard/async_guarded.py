@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,22 +26,17 @@ from guardrail.embedded import model_or_embedded
 from guardrail.engine.async_hooked import AsyncHookedLLM
 from guardrail.engine.install import engine_probe_config
 from guardrail.engine.types import GuardedChunk, GuardedOutput, PositionLogprobs
-from guardrail.errors import (
-    ConfigError,
-    EngineDeadError,
-    GuardrailError,
-    PromptInjectionBlocked,
-)
+from guardrail.errors import ConfigError, EngineDeadError, GuardrailError
+from guardrail.guard.call import GuardedCall
+from guardrail.guard.core import GuardCore
 from guardrail.guard.decider import (
-    BLOCKED_FINISH_REASON,
     DEFAULT_REFUSAL,
     Decider,
     GuardedResult,
     OnBlock,
     VerdictObserver,
-    check_requests,
 )
-from guardrail.guard.decider import request_ids as ids_for
+from guardrail.guard.settings import GuardSettings
 from guardrail.policy.kinds import PerRequestPolicies, Policy, PolicyLike
 from guardrail.policy.verdict import Action, Verdict
 from guardrail.probe.config import ModelProbeConfig
@@ -78,7 +73,7 @@ def _refuse_retries(policies: Sequence[Policy]) -> None:
             )
 
 
-class AsyncGuardedLLM:
+class AsyncGuardedLLM(GuardCore[AsyncHookedLLM]):
     """A guarded ``AsyncHookedLLM``: ``stream`` one request, or ``generate`` a list.
 
     Arguments are those of ``GuardedLLM``; build it with ``await AsyncGuardedLLM.create(...)``
@@ -99,20 +94,14 @@ class AsyncGuardedLLM:
         model_name: str | None = None,
         owns_engine: bool = False,
     ) -> None:
-        decider = Decider(
-            engine.config,
-            policies,
+        settings = GuardSettings(
             on_block=on_block,
             refusal_text=refusal_text,
             metrics=metrics,
             early_block=early_block,
             model_name=model_name,
         )
-        _refuse_retries(decider.policies)
-        self._setup(engine, decider, owns_engine)
-
-    def _setup(self, engine: AsyncHookedLLM, decider: Decider, owns_engine: bool) -> None:
-        self.decider, self.engine, self._owns_engine = decider, engine, owns_engine
+        super().__init__(engine, _decider(engine.config, policies, settings), owns_engine)
 
     @classmethod
     async def create(
@@ -129,30 +118,18 @@ class AsyncGuardedLLM:
         **engine_kwargs: Any,
     ) -> AsyncGuardedLLM:
         """Start an engine and guard it; everything is checked before the engine starts."""
-        model = model_or_embedded(model)
-        config = engine_probe_config(str(model), probe_config, engine_kwargs, announce=False)
-        decider = Decider(
-            config,
-            policies,
+        settings = GuardSettings(
             on_block=on_block,
             refusal_text=refusal_text,
             metrics=metrics,
             early_block=early_block,
             model_name=model_name,
         )
-        _refuse_retries(decider.policies)  # checked before the engine starts
+        model = model_or_embedded(model)
+        config = engine_probe_config(str(model), probe_config, engine_kwargs, announce=False)
+        checked = _decider(config, policies, settings).policies  # before the engine starts
         engine = await AsyncHookedLLM.create(model, config, **engine_kwargs)
-        self = cls.__new__(cls)  # the decider is built: only the engine is new
-        self._setup(engine, decider, owns_engine=True)
-        return self
-
-    @property
-    def policies(self) -> tuple[Policy, ...]:
-        return self.decider.policies
-
-    @property
-    def model_name(self) -> str:
-        return self.decider.model_name
+        return cls(engine, checked, owns_engine=True, **settings.keywords())
 
     # -- one request, streamed -------------------------------------------------------------------
     async def stream(
@@ -174,92 +151,67 @@ class AsyncGuardedLLM:
         as blocked, fail-closed; one already decided keeps its verdict and its stream ends
         with the error.
         """
-        ids, errors = ids_for(None if request_id is None else [request_id], 1)
-        policy_set = self._policy_set(policies, errors)
-        if errors:
-            raise errors[0]
-        rid = ids[0]
-        stop_below, on_error = self.decider.stop_plan(
-            self.engine, policy_set, request, sampling_params, False
-        )
+        call = GuardedCall(self.decider, self.engine, [request], sampling_params, _one(request_id))
+        call.resolve(_one(policies), _refuse_retries)
+        if call.errors:
+            raise call.errors[0]
+        batch = call.batch([0])
         chunks = self.engine.stream(
             request,
             sampling_params,
-            stop_below=stop_below,
-            stop_on_probe_error=on_error,
-            probe_key=rid,
+            stop_below=batch.stop_below[0],
+            stop_on_probe_error=batch.stop_on_probe_error[0],
+            probe_key=batch.probe_keys[0],
         )
-        decided = False
         with self.decider.in_flight(1):
             try:
-                async for chunk in chunks:
-                    if chunk.probe is None:  # a later chunk: the request was allowed
-                        yield GuardedStreamChunk(
-                            rid,
-                            chunk.text,
-                            tuple(chunk.token_ids),
-                            chunk.finished,
-                            chunk.finish_reason,
-                            logprobs=chunk.logprobs,
-                        )
-                        continue
-                    verdict = self._decide(rid, chunk, policy_set)
-                    decided = True
-                    if verdict.blocked:
-                        await chunks.aclose()  # aborts the request if it still runs
-                        if self.decider.on_block == "raise":
-                            raise PromptInjectionBlocked(
-                                f"request {rid} blocked: {verdict.reason}", verdict
-                            )
-                        yield GuardedStreamChunk(
-                            rid,
-                            self.decider.refusal_text,
-                            (),
-                            True,
-                            BLOCKED_FINISH_REASON,
-                            verdict,
-                        )
-                        return
-                    yield GuardedStreamChunk(
-                        rid,
-                        chunk.text,
-                        tuple(chunk.token_ids),
-                        chunk.finished,
-                        chunk.finish_reason,
-                        verdict,
-                        chunk.logprobs,
-                    )
-            except EngineDeadError as exc:
-                if not decided:  # no verdict yet: fail closed and record it (once per request)
-                    self.decider.observe(self.decider.lost(exc, ids, {}))
-                raise
+                async for chunk in self._guarded(call, chunks):
+                    yield chunk
             finally:
-                await chunks.aclose()
+                await chunks.aclose()  # aborts the request if it still runs
 
-    def _policy_set(
-        self, policies: Sequence[PolicyLike] | None, errors: dict[int, GuardrailError]
-    ) -> tuple[Policy, ...]:
-        sets = self.decider.policy_sets(
-            None if policies is None else [policies], 1, errors, _refuse_retries
-        )
-        return sets[0]
+    async def _guarded(
+        self, call: GuardedCall, chunks: AsyncGenerator[GuardedChunk, None]
+    ) -> AsyncIterator[GuardedStreamChunk]:
+        """The engine's chunks of one request, its verdict on the first: a blocked request's
+        stream is its refusal (or ``PromptInjectionBlocked``), an allowed one's its chunks."""
+        rid = call.ids[0]
+        try:
+            first = await anext(chunks, None)
+        except EngineDeadError as exc:  # no verdict yet: fail closed and record it
+            call.fail(exc)
+            raise
+        if first is None:  # vLLM yields at least one output per request
+            raise GuardrailError(f"request {rid}: the engine returned no output")
+        result = self._decide(call, first)
+        if result.blocked:  # the refusal, and nothing the model generated
+            await chunks.aclose()  # aborts the request if it still runs
+            yield GuardedStreamChunk(
+                rid, result.text, (), True, result.finish_reason, result.verdict
+            )
+            return
+        yield _stream_chunk(rid, first, result.verdict)
+        async for chunk in chunks:  # decided: an engine death now ends the stream as it is
+            yield _stream_chunk(rid, chunk)
 
-    def _decide(
-        self, request_id: str, chunk: GuardedChunk, policies: tuple[Policy, ...]
-    ) -> Verdict:
-        """The verdict of a request from its first chunk, recorded in the metrics."""
+    @staticmethod
+    def _decide(call: GuardedCall, first: GuardedChunk) -> GuardedResult:
+        """A request's result from its first chunk (prompt, score, first tokens), recorded in
+        the metrics; ``on_block="raise"`` raises ``PromptInjectionBlocked`` for a blocked one."""
         output = GuardedOutput(
             index=0,
-            prompt=chunk.prompt,
-            token_ids=list(chunk.token_ids),
-            num_cached_tokens=chunk.num_cached_tokens,
-            probe=chunk.probe,
+            prompt=first.prompt,
+            text=first.text,
+            token_ids=list(first.token_ids),
+            finish_reason=first.finish_reason,
+            num_cached_tokens=first.num_cached_tokens,
+            probe=first.probe,
+            logprobs=first.logprobs,
         )
-        verdict = self.decider.verdict(request_id, output, policies)
-        if verdict is None:  # the first chunk always has a prompt and a probe result
-            raise GuardrailError(f"request {request_id}: the engine returned no score")
-        self.decider.observe([GuardedResult(index=0, request_id=request_id, verdict=verdict)])
-        return verdict
+        result = call.result(0, output)
+        if result.verdict is None:  # the first chunk always has a prompt and a probe result
+            raise GuardrailError(f"request {call.ids[0]}: the engine returned no score")
+        return call.finish([result])[0]
 
     # -- many requests, whole answers ------------------------------------------------------------
     async def generate(
@@ -273,50 +225,17 @@ class AsyncGuardedLLM:
         """Generate every request under the policies; one ``GuardedResult`` per request, in
         order. Same arguments, per-request failures and ``on_block`` behaviour as
         ``GuardedLLM.generate``."""
-        n = check_requests(requests)
-        ids, errors = ids_for(request_ids, n)
-        sets = self.decider.policy_sets(policies, n, errors, _refuse_retries)
-        params = _per_request_params(sampling_params, n)
-        send = [i for i in range(n) if i not in errors]
-        plans = [
-            self.decider.stop_plan(self.engine, sets[i], requests[i], params[i], False)
-            for i in send
-        ]
+        call = GuardedCall(self.decider, self.engine, requests, sampling_params, request_ids)
+        call.resolve(policies, _refuse_retries)
+        outputs: list[GuardedOutput] = []
         try:
-            with self.decider.in_flight(len(send)):
-                outputs = await self.engine.generate(
-                    [requests[i] for i in send],
-                    None if sampling_params is None else [params[i] for i in send],
-                    stop_below=[p[0] for p in plans],
-                    stop_on_probe_error=[p[1] for p in plans],
-                    probe_keys=[ids[i] for i in send],
-                )
+            if call.send:
+                with self.decider.in_flight(len(call.send)):
+                    outputs = await call.batch(call.send).submit(self.engine.generate)
         except EngineDeadError as exc:
-            exc.results = self.decider.lost(exc, ids, errors)
-            self.decider.observe(exc.results)
+            call.fail(exc)
             raise
-        results: list[GuardedResult | None] = [None] * n
-        for i, error in errors.items():
-            results[i] = GuardedResult(index=i, request_id=ids[i], error=error)
-        for i, output in zip(send, outputs, strict=True):
-            results[i] = self.decider.result(i, ids[i], output, sets[i], False)
-        done = [r for r in results if r is not None]
-        self.decider.observe(done)
-        blocked = [r.verdict for r in done if r.verdict is not None and r.verdict.blocked]
-        if blocked and self.decider.on_block == "raise":
-            error = PromptInjectionBlocked(
-                f"{len(blocked)} of {n} request(s) blocked; first: request "
-                f"{blocked[0].request_id}: {blocked[0].reason}",
-                blocked[0],
-            )
-            error.results = done
-            raise error
-        return done
-
-    def close(self) -> None:
-        """Shut the engine down if this guard started it (a shared engine is left running)."""
-        if self._owns_engine:
-            self.engine.close()
+        return call.finish(call.results(outputs))
 
     async def __aenter__(self) -> AsyncGuardedLLM:
         return self
@@ -325,13 +244,29 @@ class AsyncGuardedLLM:
         self.close()
 
 
-def _per_request_params(sampling_params: Any, n: int) -> list[Any]:
-    """One params entry per request (None: the engine's defaults); a None inside a list is
-    left to the engine, which fails that request alone."""
-    if sampling_params is None or not isinstance(sampling_params, Sequence):
-        return [sampling_params] * n
-    if len(sampling_params) != n:
-        raise ConfigError(
-            f"sampling params must be one value, or a list with one per request: {n} requests"
-        )
-    return list(sampling_params)
+def _decider(
+    config: ModelProbeConfig, policies: Sequence[PolicyLike] | None, settings: GuardSettings
+) -> Decider:
+    """The guard's ``Decider``; retry policies are refused (the async engine cannot steer)."""
+    decider = Decider(config, policies, settings)
+    _refuse_retries(decider.policies)
+    return decider
+
+
+def _one(value: Any) -> list[Any] | None:
+    """A per-request argument of a one-request call: None (the defaults) or a list of one."""
+    return None if value is None else [value]
+
+
+def _stream_chunk(
+    request_id: str, chunk: GuardedChunk, verdict: Verdict | None = None
+) -> GuardedStreamChunk:
+    return GuardedStreamChunk(
+        request_id,
+        chunk.text,
+        tuple(chunk.token_ids),
+        chunk.finished,
+        chunk.finish_reason,
+        verdict,
+        chunk.logprobs,
+    )

@@ -5,9 +5,9 @@ an engine output, and what the metrics observe. It never calls an engine.
 Example:
     >>> from guardrail.probe.config import ModelProbeConfig
     >>> config = ModelProbeConfig(model_id="m", heads=[(0, 0)], threshold=0.3)
-    >>> decider = Decider(config, [{"threshold": 0.3}])
-    >>> [p.kind for p in decider.policies], decider.model_name
-    (['prompt_injection'], 'm')
+    >>> decider = Decider(config, [{"threshold": 0.3}], GuardSettings(on_block="raise"))
+    >>> [p.kind for p in decider.policies], decider.model_name, decider.settings.on_block
+    (['prompt_injection'], 'm', 'raise')
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from guardrail.engine.types import GuardedOutput, PositionLogprobs
 from guardrail.errors import (
@@ -27,6 +27,7 @@ from guardrail.errors import (
     GuardrailError,
     RequestError,
 )
+from guardrail.guard.settings import DEFAULT_REFUSAL, GuardSettings, OnBlock, VerdictObserver
 from guardrail.policy.decide import decide, early_stop
 from guardrail.policy.kinds import (
     DEFAULT_POLICY,
@@ -46,6 +47,7 @@ __all__ = [
     "BLOCKED_FINISH_REASON",
     "DEFAULT_REFUSAL",
     "Decider",
+    "GuardSettings",
     "GuardedResult",
     "OnBlock",
     "VerdictObserver",
@@ -53,24 +55,7 @@ __all__ = [
     "request_ids",
 ]
 
-OnBlock = Literal["refuse", "raise"]
-DEFAULT_REFUSAL = "I can't help with this request: a prompt-injection guardrail blocked it."
 BLOCKED_FINISH_REASON = "blocked"
-
-
-class VerdictObserver(Protocol):
-    """What ``GuardedLLM(metrics=...)`` calls; ``guardrail.metrics.recorder.GuardrailMetrics`` fits.
-
-    An observer that also has ``set_thresholds(policies, model_name, model_threshold=...)``
-    (``GuardrailMetrics`` does) gets the guard's policies once, when the guard is built, and
-    one with ``set_calibrated(calibrated, model_name)`` whether the model config was calibrated.
-    """
-
-    def observe_verdict(self, verdict: Verdict, model_name: str) -> None: ...
-
-    def track_in_flight(
-        self, n: int, *, model_name: str | None = None
-    ) -> AbstractContextManager[Any]: ...
 
 
 class StopFacts(Protocol):
@@ -157,41 +142,34 @@ def request_ids(
 class Decider:
     """A guard's policies and everything decided from them (see the module docstring).
 
-    Arguments are those of ``GuardedLLM`` with the same names; each is checked here, before
-    any engine starts.
+    ``policies`` as ``GuardedLLM`` takes them (default: block prompt injections at the model's
+    threshold); they are checked here, before any engine starts.
     """
 
     def __init__(
         self,
         config: ModelProbeConfig,
         policies: Sequence[PolicyLike] | None = None,
-        *,
-        on_block: str = "refuse",
-        refusal_text: str = DEFAULT_REFUSAL,
-        metrics: VerdictObserver | None = None,
-        early_block: bool = True,
-        model_name: str | None = None,
+        settings: GuardSettings | None = None,
     ) -> None:
-        if on_block not in ("refuse", "raise"):
-            raise ConfigError(f"on_block must be 'refuse' or 'raise', got {on_block!r}")
-        if not isinstance(refusal_text, str):
-            raise ConfigError("refusal_text must be a string")
         self.config = config
         self.threshold = config.threshold
         self.policies: tuple[Policy, ...] = load_policies(
             policies if policies is not None else [DEFAULT_POLICY], config.threshold
         )
-        self.on_block = on_block
-        self.refusal_text = refusal_text
-        self.metrics = metrics
-        self.early_block = early_block
-        self.model_name = model_name or config.model_id
+        self.settings = settings = settings if settings is not None else GuardSettings()
+        self.model_name = settings.model_name or config.model_id
+
+    def announce(self) -> None:
+        """Tell the metrics observer (if it asks) the policies' thresholds and whether the model
+        config was calibrated: once, when a guard is built (``VerdictObserver``)."""
+        metrics = self.settings.metrics
         export = getattr(metrics, "set_thresholds", None)
         if callable(export):  # threshold gauges and zeroed decision series, from the start
             export(self.policies, self.model_name, model_threshold=self.threshold)
         calibrated = getattr(metrics, "set_calibrated", None)
         if callable(calibrated):
-            calibrated(config.uncalibrated is None, self.model_name)
+            calibrated(self.config.uncalibrated is None, self.model_name)
 
     def policy_sets(
         self,
@@ -224,7 +202,7 @@ class Decider:
         attempt: int = 1,
     ) -> tuple[float | None, bool]:
         """``(stop_below, stop_on_probe_error)`` when this request can be blocked in-engine."""
-        if scoring or not self.early_block or not policies:
+        if scoring or not self.settings.early_block or not policies:
             return None, False
         # The in-engine stop ends a request with its eos token: it cannot honour min_tokens or
         # ignore_eos, nor decide before the last pipeline stage scored. Such requests are
@@ -299,7 +277,9 @@ class Decider:
         if scoring:
             return result
         if decided.blocked:  # the generated tokens (if any) are withheld, only counted
-            return replace(result, text=self.refusal_text, finish_reason=BLOCKED_FINISH_REASON)
+            return replace(
+                result, text=self.settings.refusal_text, finish_reason=BLOCKED_FINISH_REASON
+            )
         return replace(
             result, text=output.text, token_ids=tuple(output.token_ids), logprobs=output.logprobs
         )
@@ -318,16 +298,18 @@ class Decider:
 
     def observe(self, results: Sequence[GuardedResult]) -> None:
         """Record every verdict in the metrics (if any)."""
-        if self.metrics is not None:
+        metrics = self.settings.metrics
+        if metrics is not None:
             for r in results:
                 if r.verdict is not None:
-                    self.metrics.observe_verdict(r.verdict, self.model_name)
+                    metrics.observe_verdict(r.verdict, self.model_name)
 
     def in_flight(self, n: int) -> AbstractContextManager[Any]:
         """Count ``n`` requests as in flight for the ``with`` block (metrics)."""
-        if self.metrics is None:
+        metrics = self.settings.metrics
+        if metrics is None:
             return contextlib.nullcontext()
-        return self.metrics.track_in_flight(n, model_name=self.model_name)
+        return metrics.track_in_flight(n, model_name=self.model_name)
 
     @staticmethod
     def lost(

@@ -23,13 +23,10 @@ from typing import Any
 
 from guardrail.embedded import model_or_embedded
 from guardrail.engine.install import engine_probe_config
-from guardrail.engine.types import GuardedOutput, GuardEngine, per_request
-from guardrail.errors import (
-    EngineDeadError,
-    GuardrailError,
-    PromptInjectionBlocked,
-    RequestError,
-)
+from guardrail.engine.types import GuardedOutput, GuardEngine
+from guardrail.errors import ConfigError, EngineDeadError
+from guardrail.guard.call import EngineBatch, GuardedCall
+from guardrail.guard.core import GuardCore
 from guardrail.guard.decider import (
     BLOCKED_FINISH_REASON,
     DEFAULT_REFUSAL,
@@ -37,11 +34,10 @@ from guardrail.guard.decider import (
     GuardedResult,
     OnBlock,
     VerdictObserver,
-    check_requests,
-    request_ids,
 )
 from guardrail.guard.retry import RetryLoop
-from guardrail.policy.kinds import PerRequestPolicies, Policy, PolicyLike
+from guardrail.guard.settings import GuardSettings
+from guardrail.policy.kinds import PerRequestPolicies, PolicyLike
 from guardrail.policy.verdict import Verdict
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.prompts import RequestLike
@@ -56,21 +52,18 @@ __all__ = [
     "VerdictObserver",
 ]
 
-_NO_PARAMS = (
-    "request {i}: its sampling params are None; pass a vllm.SamplingParams for every request "
-    "(or one SamplingParams, or None instead of the list, for all of them)"
-)
 
-
-class GuardedLLM:
+class GuardedLLM(GuardCore[GuardEngine]):
     """A guarded model: ``generate`` returns one ``GuardedResult`` per request, in order.
 
-    ``model`` is a model path or id (default: the embedded SmolLM2-135M-Instruct); ``policies``
-    a list of policies (default: block prompt injections at the model's threshold, fail-closed);
-    ``on_block`` "refuse" returns ``refusal_text`` for blocked requests, "raise" raises
-    ``PromptInjectionBlocked`` after the whole batch ran. ``metrics`` is an optional observer
-    (see ``VerdictObserver``). ``early_block=False`` generates blocked requests in full and
-    discards them afterwards (for comparison only). Other keyword arguments go to the engine.
+    ``model`` is a model path or id (default: the embedded SmolLM2-135M-Instruct), or an engine
+    already running (a ``HookedLLM`` or any ``GuardEngine``: shared, not closed by ``close()``,
+    as with ``from_engine``); ``policies`` a list of policies (default: block prompt injections
+    at the model's threshold, fail-closed); ``on_block`` "refuse" returns ``refusal_text`` for
+    blocked requests, "raise" raises ``PromptInjectionBlocked`` after the whole batch ran.
+    ``metrics`` is an optional observer (see ``VerdictObserver``). ``early_block=False``
+    generates blocked requests in full and discards them afterwards (for comparison only).
+    Other keyword arguments go to the engine (``GuardSettings`` documents the settings).
 
     Example:
         >>> llm = GuardedLLM("path/to/model", [{"threshold": 0.4}])  # doctest: +SKIP
@@ -81,7 +74,7 @@ class GuardedLLM:
 
     def __init__(
         self,
-        model: str | Path | None = None,
+        model: str | Path | GuardEngine | None = None,
         policies: Sequence[PolicyLike] | None = None,
         *,
         probe_config: ModelProbeConfig | str | Path | None = None,
@@ -92,27 +85,30 @@ class GuardedLLM:
         model_name: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        from guardrail.engine import HookedLLM
-
-        model = model_or_embedded(model)
-        config = engine_probe_config(str(model), probe_config, engine_kwargs, announce=False)
-        # Validate everything the user wrote before paying for an engine start.
-        self.decider = Decider(
-            config,
-            policies,
+        settings = GuardSettings(
             on_block=on_block,
             refusal_text=refusal_text,
             metrics=metrics,
             early_block=early_block,
             model_name=model_name,
         )
-        self.engine: GuardEngine = HookedLLM(model, config, **engine_kwargs)
-        self._owns_engine = True
-        self.retries = RetryLoop(self.engine, config.model_id)
+        if model is None or isinstance(model, str | Path):
+            engine, decider = _started_engine(
+                model, policies, settings, probe_config, engine_kwargs
+            )
+            super().__init__(engine, decider, owns_engine=True)
+        else:
+            if probe_config is not None or engine_kwargs:
+                raise ConfigError(
+                    "probe_config and engine arguments configure a new engine; the engine "
+                    "given is running already (pass them when starting it)"
+                )
+            super().__init__(model, Decider(model.config, policies, settings), owns_engine=False)
+        self.retries = RetryLoop(self.engine, self.config.model_id)
         try:
             self.retries.prepare(self.policies)
         except BaseException:
-            self.engine.close()
+            self.close()
             raise
 
     @classmethod
@@ -128,14 +124,13 @@ class GuardedLLM:
         model_name: str | None = None,
     ) -> GuardedLLM:
         """Guard an existing engine (a ``HookedLLM``, or any ``GuardEngine``; shared, not closed
-        by ``close()``).
+        by ``close()``). The same as ``GuardedLLM(engine, ...)``.
 
         Example:
             >>> guarded = GuardedLLM.from_engine(hooked, [BLOCK_INJECTIONS])  # doctest: +SKIP
         """
-        self = cls.__new__(cls)
-        self.decider = Decider(
-            engine.config,
+        return cls(
+            engine,
             policies,
             on_block=on_block,
             refusal_text=refusal_text,
@@ -143,44 +138,6 @@ class GuardedLLM:
             early_block=early_block,
             model_name=model_name,
         )
-        self.engine = engine
-        self._owns_engine = False
-        self.retries = RetryLoop(engine, engine.config.model_id)
-        self.retries.prepare(self.policies)
-        return self
-
-    # The guard's settings live in its ``Decider`` (shared with the async guard).
-    @property
-    def config(self) -> ModelProbeConfig:
-        return self.decider.config
-
-    @property
-    def threshold(self) -> float | None:
-        return self.decider.threshold
-
-    @property
-    def policies(self) -> tuple[Policy, ...]:
-        return self.decider.policies
-
-    @property
-    def on_block(self) -> str:
-        return self.decider.on_block
-
-    @property
-    def refusal_text(self) -> str:
-        return self.decider.refusal_text
-
-    @property
-    def metrics(self) -> VerdictObserver | None:
-        return self.decider.metrics
-
-    @property
-    def early_block(self) -> bool:
-        return self.decider.early_block
-
-    @property
-    def model_name(self) -> str:
-        return self.decider.model_name
 
     # -- public API ------------------------------------------------------------------------------
     def generate(
@@ -207,17 +164,7 @@ class GuardedLLM:
             >>> strict = [PromptInjectionPolicy(threshold_offset=0.1)]  # doctest: +SKIP
             >>> llm.generate(["Hi", "Hello"], policies=[None, strict])  # doctest: +SKIP
         """
-        results = self._run(requests, sampling_params, policies, request_ids, scoring=False)
-        blocked = [r.verdict for r in results if r.verdict is not None and r.verdict.blocked]
-        if blocked and self.on_block == "raise":
-            error = PromptInjectionBlocked(
-                f"{len(blocked)} of {len(results)} request(s) blocked; first: request "
-                f"{blocked[0].request_id}: {blocked[0].reason}",
-                blocked[0],
-            )
-            error.results = results  # every result, none lost
-            raise error
-        return results
+        return self._run(requests, sampling_params, policies, request_ids, scoring=False)
 
     def score(
         self,
@@ -240,11 +187,6 @@ class GuardedLLM:
         probe_only = SamplingParams(temperature=0.0, max_tokens=1)
         return self._run(requests, probe_only, policies, request_ids, scoring=True)
 
-    def close(self) -> None:
-        """Shut the engine down if this guard started it (a shared engine is left running)."""
-        if self._owns_engine:
-            self.engine.close()
-
     def __enter__(self) -> GuardedLLM:
         return self
 
@@ -260,91 +202,53 @@ class GuardedLLM:
         given_ids: Sequence[str | None] | None,
         scoring: bool,
     ) -> list[GuardedResult]:
-        n = check_requests(requests)
-        params = per_request(sampling_params, n, "sampling params")
-        ids, errors = request_ids(given_ids, n)
-        if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
-            for i, given in enumerate(params):
-                if given is None:
-                    errors.setdefault(i, RequestError(_NO_PARAMS.format(i=i)))
+        call = GuardedCall(
+            self.decider, self.engine, requests, sampling_params, given_ids, scoring=scoring
+        )
         try:
-            results = self._answer(
-                requests, sampling_params, params, policies, ids, errors, scoring
-            )
+            call.resolve(policies, None if scoring else self.retries.prepare)
+            results = call.results(self._generate(call.batch(call.send)))
+            if not scoring:
+                self._retry(call, results)
         except EngineDeadError as exc:  # nothing of this batch is answered: fail closed, record
-            exc.results = self.decider.lost(exc, ids, errors)
-            self.decider.observe(exc.results)
+            call.fail(exc)
             raise
-        self.decider.observe(results)
-        return results
+        return call.finish(results)
 
-    def _answer(
-        self,
-        requests: Sequence[RequestLike],
-        sampling_params: Any,
-        params: list[Any],
-        policies: PerRequestPolicies,
-        ids: list[str],
-        errors: dict[int, GuardrailError],
-        scoring: bool,
-    ) -> list[GuardedResult]:
-        n = len(requests)
-        prepare = None if scoring else self.retries.prepare
-        sets = self.decider.policy_sets(policies, n, errors, prepare)
-        send = [i for i in range(n) if i not in errors]
-        plans = [
-            self.decider.stop_plan(self.engine, sets[i], requests[i], params[i], scoring)
-            for i in send
-        ]
-        outputs: list[GuardedOutput] = []
-        if send:
-            with self.decider.in_flight(len(send)):
-                outputs = self.engine.generate(
-                    [requests[i] for i in send],
-                    None if sampling_params is None else [params[i] for i in send],
-                    stop_below=[p[0] for p in plans],
-                    stop_on_probe_error=[p[1] for p in plans],
-                    probe_keys=[ids[i] for i in send],
-                )
-        results: list[GuardedResult | None] = [None] * n
-        for i, error in errors.items():
-            results[i] = GuardedResult(index=i, request_id=ids[i], error=error)
-        for i, output in zip(send, outputs, strict=True):
-            results[i] = self.decider.result(i, ids[i], output, sets[i], scoring)
-        if not scoring:
-            self._retry(requests, sampling_params, params, sets, ids, results)
-        return [r for r in results if r is not None]
+    def _generate(self, batch: EngineBatch, **extra: Any) -> list[GuardedOutput]:
+        """One engine call, its requests counted in flight (none sent: no call)."""
+        if not batch.order:
+            return []
+        with self.decider.in_flight(len(batch.order)):
+            return batch.submit(self.engine.generate, **extra)
 
-    def _retry(
-        self,
-        requests: Sequence[RequestLike],
-        sampling_params: Any,
-        params: list[Any],
-        sets: list[tuple[Policy, ...]],
-        ids: list[str],
-        results: list[GuardedResult | None],
-    ) -> None:
+    def _retry(self, call: GuardedCall, results: list[GuardedResult]) -> None:
         """Run the retry loop for requests whose verdict says retry; ``results`` is updated."""
 
         def run_attempt(order: list[int], attempt: int, steering: list[Steering]) -> Any:
-            plans = [
-                self.decider.stop_plan(self.engine, sets[i], requests[i], params[i], False, attempt)
-                for i in order
-            ]
-            with self.decider.in_flight(len(order)):
-                return self.engine.generate(
-                    [requests[i] for i in order],
-                    None if sampling_params is None else [params[i] for i in order],
-                    stop_below=[p[0] for p in plans],
-                    stop_on_probe_error=[p[1] for p in plans],
-                    probe_keys=[f"{ids[i]}~attempt{attempt}" for i in order],
-                    steering=steering,
-                )
+            return self._generate(call.batch(order, attempt), steering=steering)
 
         def verdict_of(i: int, output: GuardedOutput, verdict: Verdict | None) -> Verdict | None:
-            return self.decider.result(i, ids[i], output, sets[i], False, verdict).verdict
+            return call.result(i, output, verdict).verdict
 
-        verdicts = [None if r is None else r.verdict for r in results]
-        retried = self.retries.run(verdicts, sets, run_attempt, verdict_of)
+        verdicts = [r.verdict for r in results]
+        retried = self.retries.run(verdicts, call.sets, run_attempt, verdict_of)
         for i, (output, verdict) in retried.items():
-            results[i] = self.decider.result(i, ids[i], output, sets[i], False, verdict)
+            results[i] = call.result(i, output, verdict)
+
+
+def _started_engine(
+    model: str | Path | None,
+    policies: Sequence[PolicyLike] | None,
+    settings: GuardSettings,
+    probe_config: ModelProbeConfig | str | Path | None,
+    engine_kwargs: dict[str, Any],
+) -> tuple[GuardEngine, Decider]:
+    """A ``HookedLLM`` for ``model`` and its guard's ``Decider``, built first: everything the
+    user wrote is checked before paying for an engine start."""
+    from guardrail.engine import HookedLLM
+
+    model = model_or_embedded(model)
+    config = engine_probe_config(str(model), probe_config, engine_kwargs, announce=False)
+    decider = Decider(config, policies, settings)
+    return HookedLLM(model, config, **engine_kwargs), decider

@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.utils import floatToGoString
 
 from guardrail.engine.types import GuardedOutput, ProbeResult
-from guardrail.guard.decider import Decider
+from guardrail.guard.decider import Decider, GuardSettings
 from guardrail.metrics.recorder import (
     INITIAL_SIGNALS,
     PROBE_DURATION_BUCKETS,
@@ -344,7 +344,9 @@ def test_a_probe_error_without_a_reason_counts_as_other(metrics, read):
 )
 def test_the_label_follows_the_probe_result_reason_never_its_message(metrics, read, message):
     config = ModelProbeConfig(model_id="m", heads=[(0, 0)], threshold=0.5)
-    decider = Decider(config, [{"threshold": 0.5}], metrics=metrics, model_name=MODEL)
+    decider = Decider(
+        config, [{"threshold": 0.5}], GuardSettings(metrics=metrics, model_name=MODEL)
+    )
     prompt = PreparedPrompt([1, 2, 3, 4], [(0, 2)], [(2, 4)], "text")
     probe = ProbeResult(None, error=message, error_reason=ProbeErrorReason.LAYER)
     before = read.snapshot()

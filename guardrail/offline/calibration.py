@@ -460,6 +460,29 @@ def _mean_focus_probe(
     return probe, choice
 
 
+def _budget_step(
+    sweep: list[dict[str, Any]], steps: list[LayerStep], settings: CalibrationSettings
+) -> tuple[dict[str, Any], str]:
+    """The sweep entry of ``settings.budget`` (``sweep`` is ``steps`` then all layers), and
+    how it was picked, for the probe's notes."""
+    if settings.budget == "all":
+        return sweep[-1], f"over all layers ({len(sweep[-1]['layers'])} kept by L1)"
+    if settings.budget == "auto":
+        budget = choose_budget(steps, settings.budget_tolerance)
+        how = (
+            f"over {len(budget.layers)} greedily chosen layers (sweep up to "
+            f"{settings.max_layers}, within {settings.budget_tolerance} CV AUROC of the best)"
+        )
+        return sweep[steps.index(budget)], how
+    wanted = int(settings.budget)
+    if not 1 <= wanted <= len(steps):
+        raise ConfigError(
+            f"layer budget {wanted} is outside the sweep (1 to {len(steps)} layers); "
+            "raise max_layers or pick a smaller budget"
+        )
+    return sweep[wanted - 1], f"over {wanted} greedily chosen layers (budget set by the user)"
+
+
 def _logistic_sweep(
     scores: np.ndarray,
     labels: np.ndarray,
@@ -496,25 +519,7 @@ def _logistic_sweep(
                 "probe": probe,
             }
         )
-    if settings.budget == "all":
-        picked = sweep[-1]
-        how = f"over all layers ({len(picked['layers'])} kept by L1)"
-    elif settings.budget == "auto":
-        budget = choose_budget(steps, settings.budget_tolerance)
-        picked = sweep[steps.index(budget)]
-        how = (
-            f"over {len(budget.layers)} greedily chosen layers (sweep up to "
-            f"{settings.max_layers}, within {settings.budget_tolerance} CV AUROC of the best)"
-        )
-    else:
-        wanted = int(settings.budget)
-        if not 1 <= wanted <= len(steps):
-            raise ConfigError(
-                f"layer budget {wanted} is outside the sweep (1 to {len(steps)} layers); "
-                "raise max_layers or pick a smaller budget"
-            )
-        picked = sweep[wanted - 1]
-        how = f"over {wanted} greedily chosen layers (budget set by the user)"
+    picked, how = _budget_step(sweep, steps, settings)
     chosen = {
         **picked["probe"],
         "cv_auroc": picked["cv_auroc"],

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from guardrail.errors import ConfigError
 from guardrail.offline.calibration import group_folds, standardised_l1_fit, threshold_at_fpr
 from guardrail.offline.evaluation import auroc
 from guardrail.probe.config import HiddenLayerProbe, HiddenPosition
@@ -118,42 +119,34 @@ def focus_from_logit(logit: np.ndarray) -> np.ndarray:
     return 1.0 - 1.0 / (1.0 + np.exp(-np.clip(logit, -50, 50)))
 
 
-def fit_combined(
-    stats: np.ndarray,
-    heads: Sequence[HeadKey],
-    hidden: Mapping[int, np.ndarray],
-    labels: np.ndarray,
-    groups: Sequence[str],
-    feature: FeatureKind = "logit_focus",
-    c_grid: Sequence[float] = COMBINED_C_GRID,
-    folds: int = 5,
-    seed: int = 0,
-    data_mean: Mapping[int, np.ndarray] | None = None,
-) -> CombinedFit:
-    """Fit the combined probe; C by grouped cross-validation (best out-of-fold AUROC)."""
-    x = feature_matrix(stats, hidden, feature, data_mean)
-    y = np.asarray(labels, dtype=int)
-    fold_of = group_folds(groups, folds, seed)
+def _best_c(
+    x: np.ndarray, y: np.ndarray, fold_of: np.ndarray, c_grid: Sequence[float]
+) -> tuple[float, float, np.ndarray]:
+    """(out-of-fold AUROC, C, out-of-fold logit) of the C in ``c_grid`` with the best AUROC;
+    a later C must beat an earlier one by more than 1e-4."""
     best: tuple[float, float, np.ndarray] | None = None
     for c in c_grid:
         logit = _oof_logit(x, y, fold_of, c)
         score = auroc(y, logit)
         if best is None or score > best[0] + 1e-4:
             best = (score, c, logit)
-    assert best is not None
-    cv_auroc, c, oof_logit = best
-    w, b, mean, std = standardised_l1_fit(x, y, c)
-    per_head = FEATURES_PER_HEAD[feature]
-    n_head_cols = len(heads) * per_head
-    head_w = w[:n_head_cols].reshape(len(heads), per_head)
-    keep = [j for j in range(len(heads)) if np.any(np.abs(head_w[j]) > 1e-9)]
-    if heads and not keep:  # a config hooks at least one head: keep the first, weight 0
-        keep = [0]
-    raw_w = (w[:n_head_cols] / std[:n_head_cols]).reshape(len(heads), per_head)
-    # the head part on the raw feature scale: z = b - sum(w * mean / std) + sum(w / std * f)
-    bias = b - float(np.dot(w[:n_head_cols], mean[:n_head_cols] / std[:n_head_cols]))
+    if best is None:
+        raise ConfigError("c_grid is empty: give at least one regularisation strength C")
+    return best
+
+
+def _hidden_parts(
+    w: np.ndarray,
+    mean: np.ndarray,
+    std: np.ndarray,
+    offset: int,
+    hidden: Mapping[int, np.ndarray],
+    data_mean: Mapping[int, np.ndarray] | None,
+) -> list[HiddenLayerProbe]:
+    """The hidden-state read-outs of a fit: each stream's coordinates with a non-zero weight.
+    ``w``, ``mean``, ``std``: ``[features]`` of the standardised fit; the streams' columns
+    start at ``offset``, in :func:`_streams`' order."""
     parts: list[HiddenLayerProbe] = []
-    offset = n_head_cols
     for layer, position, stream in _streams(hidden, data_mean):
         size = np.asarray(stream).shape[1]
         lw = w[offset : offset + size]
@@ -170,11 +163,40 @@ def fit_combined(
                 )
             )
         offset += size
+    return parts
+
+
+def fit_combined(
+    stats: np.ndarray,
+    heads: Sequence[HeadKey],
+    hidden: Mapping[int, np.ndarray],
+    labels: np.ndarray,
+    groups: Sequence[str],
+    feature: FeatureKind = "logit_focus",
+    c_grid: Sequence[float] = COMBINED_C_GRID,
+    folds: int = 5,
+    seed: int = 0,
+    data_mean: Mapping[int, np.ndarray] | None = None,
+) -> CombinedFit:
+    """Fit the combined probe; C by grouped cross-validation (best out-of-fold AUROC)."""
+    x = feature_matrix(stats, hidden, feature, data_mean)
+    y = np.asarray(labels, dtype=int)
+    cv_auroc, c, oof_logit = _best_c(x, y, group_folds(groups, folds, seed), c_grid)
+    w, b, mean, std = standardised_l1_fit(x, y, c)
+    per_head = FEATURES_PER_HEAD[feature]
+    n_head_cols = len(heads) * per_head
+    head_w = w[:n_head_cols].reshape(len(heads), per_head)
+    keep = [j for j in range(len(heads)) if np.any(np.abs(head_w[j]) > 1e-9)]
+    if heads and not keep:  # a config hooks at least one head: keep the first, weight 0
+        keep = [0]
+    raw_w = (w[:n_head_cols] / std[:n_head_cols]).reshape(len(heads), per_head)
+    # the head part on the raw feature scale: z = b - sum(w * mean / std) + sum(w / std * f)
+    bias = b - float(np.dot(w[:n_head_cols], mean[:n_head_cols] / std[:n_head_cols]))
     return CombinedFit(
         heads=[tuple(heads[j]) for j in keep],  # type: ignore[misc]
         weights=[float(v) for j in keep for v in raw_w[j]],
         bias=bias,
-        hidden=parts,
+        hidden=_hidden_parts(w, mean, std, n_head_cols, hidden, data_mean),
         feature=feature,
         c=c,
         cv_auroc=float(cv_auroc),

@@ -1,0 +1,50 @@
+"""The combined probe's fit, taken apart into head weights and hidden-state read-outs, gives
+the same focus as the standardised L1 fit it came from; an empty C grid is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from guardrail.errors import ConfigError
+from guardrail.offline.calibration import standardised_l1_fit
+from guardrail.offline.combined import (
+    combined_focus,
+    feature_matrix,
+    fit_combined,
+    focus_from_logit,
+)
+
+
+def _data(rows: int = 120):
+    rng = np.random.default_rng(0)
+    labels = np.arange(rows) % 2
+    stats = rng.uniform(0.05, 0.95, size=(rows, 2, 5))
+    stats[:, 0, 0] = np.where(labels == 1, 0.2, 0.7) + rng.normal(0, 0.1, rows)  # head focus
+    stats = stats.clip(0.01, 0.99)
+    hidden = {3: rng.normal(size=(rows, 4))}
+    hidden[3][:, 2] += 2.0 * labels  # one informative coordinate of the last-token stream
+    means = {1: rng.normal(size=(rows, 3))}
+    means[1][:, 0] -= 1.5 * labels  # and one of the data-mean stream
+    groups = [f"g{i // 2}" for i in range(rows)]
+    return stats, [(0, 0), (1, 1)], hidden, means, labels, groups
+
+
+def test_the_parts_give_the_focus_of_the_whole_fit():
+    stats, heads, hidden, means, labels, groups = _data()
+    fit = fit_combined(stats, heads, hidden, labels, groups, folds=3, data_mean=means)
+    assert fit.cv_auroc > 0.9
+    read = {(p.layer, p.position): p.dims for p in fit.hidden}
+    assert 2 in read[(3, "last")] and 0 in read[(1, "data_mean")]
+    # reference: the standardised fit over every column, at the C the fit chose
+    x = feature_matrix(stats, hidden, fit.feature, means)
+    w, b, mean, std = standardised_l1_fit(x, labels, fit.c)
+    expected = focus_from_logit(b + ((x - mean) / std) @ w)
+    actual = combined_focus(fit, stats, heads, hidden, means)
+    np.testing.assert_allclose(actual, expected, atol=1e-9)
+
+
+def test_an_empty_c_grid_is_refused():
+    stats, heads, hidden, _, labels, groups = _data(20)
+    with pytest.raises(ConfigError, match="c_grid is empty"):
+        fit_combined(stats, heads, hidden, labels, groups, c_grid=(), folds=2)

@@ -53,6 +53,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +298,29 @@ async def _let_exiting_engine_finish() -> None:
         output_handler.setLevel(level)
 
 
+@dataclass
+class _Served:
+    """What the app's handlers share: its fixed settings, and, once the lifespan has started
+    the guard, the guard and the served model's facts (one app, one guard; nothing per call)."""
+
+    served_model_name: str | None
+    default_max_tokens: int
+    policy_sets: dict[str, Sequence[Policy]]
+    data_marking: DelimitedData | None
+    guard: Any = None  # AsyncGuardedLLM, once started
+    model: str = ""
+    max_model_len: int = 0
+    logprob_limits: tuple[int, int] = (0, 0)
+
+    def started(self, guard: AsyncGuardedLLM) -> None:
+        """Hold the started ``guard`` and read what the checks need from its engine."""
+        self.guard = guard
+        self.model = self.served_model_name or guard.model_name
+        model_config = guard.engine.engine.model_config
+        self.max_model_len = model_config.max_model_len
+        self.logprob_limits = _logprob_limits(model_config)
+
+
 def build_app(
     start: Callable[[], Awaitable[AsyncGuardedLLM]],
     *,
@@ -316,58 +340,80 @@ def build_app(
     instead of the guard's own, with the header ``x-guardrail-policies: NAME``.
     ``data_marking``: a server-side rule marking delimited text as data
     (``_server_marking.DelimitedData``)."""
-    sets = dict(policy_sets or {})
-    state: dict[str, Any] = {}
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        guard = await start()
-        state["guard"] = app.state.guard = guard
-        state["model"] = served_model_name or guard.model_name
-        model_config = guard.engine.engine.model_config
-        state["max_model_len"] = model_config.max_model_len
-        state["logprob_limits"] = _logprob_limits(model_config)
-        try:
-            yield
-        finally:
-            await _let_exiting_engine_finish()
-            guard.close()
-
-    app = FastAPI(title="vllm-guardrail", lifespan=lifespan)
+    served = _Served(served_model_name, default_max_tokens, dict(policy_sets or {}), data_marking)
+    app = FastAPI(title="vllm-guardrail", lifespan=_lifespan(start, served))
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_request_bytes)
     # one scrape: the guardrail's series and the process's default registry, where vLLM's
     # own vllm:* series are (its engine records them when started with stats on)
     app.mount(
         "/metrics", make_asgi_app(merged_registry(scrape_registry(registry), scrape_registry()))
     )
+    app.exception_handler(RequestValidationError)(_invalid_request)
+    app.exception_handler(StarletteHTTPException)(_http_error)
+    _add_info_routes(app, served)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-            for e in errors
-        )
-        # OpenAI's param: the request field at fault (the first error's, when it names one)
-        where = errors[0]["loc"][1:2] if errors else ()
-        param = where[0] if where and isinstance(where[0], str) else None
-        return _error(400, f"invalid request: {problems}", "invalid_request_error", param=param)
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        chosen = request.headers.get(POLICIES_HEADER)
+        return await _unless_disconnected(request, _answer(served, body, chosen))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        """Every other 4xx/5xx FastAPI raises (a body it cannot parse: invalid UTF-8, JSON
-        nested too deep; an unknown path or method) in the OpenAI error shape."""
-        message = str(exc.detail)
-        if exc.status_code == 400:
-            message = f"invalid request: the body is not valid JSON in UTF-8 ({exc.detail})"
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        response = _error(exc.status_code, message, kind)
-        response.headers.update(exc.headers or {})
-        return response
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        chosen = request.headers.get(POLICIES_HEADER)
+        return await _unless_disconnected(request, _answer(served, body, chosen))
+
+    return app
+
+
+def _lifespan(
+    start: Callable[[], Awaitable[AsyncGuardedLLM]], served: _Served
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: start the guard, hold it while the app serves, close it after."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        guard = await start()
+        app.state.guard = guard
+        served.started(guard)
+        try:
+            yield
+        finally:
+            await _let_exiting_engine_finish()
+            guard.close()
+
+    return lifespan
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
+    """A body that does not fit the request model: a 400 listing every problem."""
+    errors = exc.errors()
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors
+    )
+    # OpenAI's param: the request field at fault (the first error's, when it names one)
+    where = errors[0]["loc"][1:2] if errors else ()
+    param = where[0] if where and isinstance(where[0], str) else None
+    return _error(400, f"invalid request: {problems}", "invalid_request_error", param=param)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Every other 4xx/5xx FastAPI raises (a body it cannot parse: invalid UTF-8, JSON
+    nested too deep; an unknown path or method) in the OpenAI error shape."""
+    message = str(exc.detail)
+    if exc.status_code == 400:
+        message = f"invalid request: the body is not valid JSON in UTF-8 ({exc.detail})"
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    response = _error(exc.status_code, message, kind)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+def _add_info_routes(app: FastAPI, served: _Served) -> None:
+    """``/health`` (503 once the engine is dead or closed) and ``/v1/models``."""
 
     @app.get("/health")
     async def health() -> Response:
-        guard: AsyncGuardedLLM = state["guard"]
+        guard: AsyncGuardedLLM = served.guard
         try:
             if guard.engine.engine.errored:
                 return _error(503, "the engine is dead", "engine_dead")
@@ -381,110 +427,140 @@ def build_app(
             "object": "list",
             "data": [
                 {
-                    "id": state["model"],
+                    "id": served.model,
                     "object": "model",
                     "owned_by": "vllm-guardrail",
-                    "max_model_len": state["max_model_len"],  # as vLLM's server says it
+                    "max_model_len": served.max_model_len,  # as vLLM's server says it
                 }
             ],
         }
 
-    async def answer(body: ChatRequest | CompletionRequest, policy_set: str | None) -> Response:
-        if policy_set is not None and policy_set not in sets:
-            return _error(
-                400,
-                f"x-guardrail-policies: no policy set {policy_set!r} on this server; it has "
-                f"{sorted(sets)} (guardrail-serve --policies FILE, 'overrides')",
-                "invalid_request_error",
-            )
-        if body.model != state["model"]:
-            return _error(
-                404,
-                f"the model {body.model!r} does not exist; this server serves {state['model']!r}",
-                "invalid_request_error",
-                "model_not_found",
-            )
-        asked = body.max_completion_tokens or body.max_tokens
-        if asked is not None and asked >= state["max_model_len"]:
-            return _error(
-                400,
-                f"max_tokens is {asked}, but this model's maximum context length is "
-                f"{state['max_model_len']} tokens, prompt included: ask for fewer",
-                "invalid_request_error",
-            )
-        refused = _too_many_logprobs(body, *state["logprob_limits"])
-        if refused is not None:
-            return refused
-        guard: AsyncGuardedLLM = state["guard"]
-        chat = isinstance(body, ChatRequest)
-        try:
-            request: Any = (
-                [m.message() for m in body.messages]
-                if isinstance(body, ChatRequest)
-                else GuardedPrompt(instruction=body.prompt, data=body.data)
-                if body.data
-                else body.prompt
-            )
-            if data_marking is not None:
-                if isinstance(request, str):
-                    request = [Message(role="user", content=request)]
-                if isinstance(request, list):
-                    request = [data_marking.apply(m) for m in request]
-        except ValidationError as exc:
-            return _error(
-                400, f"invalid messages: {exc.errors()[0]['msg']}", "invalid_request_error"
-            )
-        try:
-            params = body.sampling_params(default_max_tokens)
-        except ValueError as exc:  # vLLM's own checks of the sampling values
-            return _error(400, f"invalid sampling parameters: {exc}", "invalid_request_error")
-        request_id = uuid.uuid4().hex
-        top = body.num_logprobs
-        logprobs = None if top is None else RequestLogprobs(chat=chat, top=top)
-        form = _Answer(chat, state["model"], request_id, logprobs)
-        policies = None if policy_set is None else sets[policy_set]
-        chunks = guard.stream(request, params, policies=policies, request_id=request_id)
-        try:
-            first = await anext(chunks)
-        except (RequestError, ConfigError) as exc:
-            return _error(400, str(exc), "invalid_request_error")
-        except (EngineDeadError, EngineClosedError) as exc:
-            return _error(503, f"the engine cannot answer: {exc}", "engine_dead")
-        except GuardrailError as exc:
-            return _error(500, f"the guardrail failed: {exc}", "guardrail_error")
-        verdict = first.verdict
-        if verdict is None:  # the guard always decides on the first chunk
-            return _error(500, "no verdict for this request", "guardrail_error")
-        if verdict.blocked:
-            await chunks.aclose()
-            return _blocked(verdict)
-        if body.stream:
-            events = _sse(form, first, chunks, verdict.num_prompt_tokens, body.include_usage)
-            return StreamingResponse(
-                events, media_type="text/event-stream", headers=_headers(verdict)
-            )
-        text, finish, token_ids = [first.text], first.finish_reason, list(first.token_ids)
-        positions = list(first.logprobs or ())
-        async for chunk in chunks:
-            text.append(chunk.text)
-            finish = chunk.finish_reason
-            token_ids.extend(chunk.token_ids)
-            positions.extend(chunk.logprobs or ())
-        usage = _usage(verdict.num_prompt_tokens, len(token_ids))
-        whole = form.whole("".join(text), finish, verdict, usage, token_ids, positions)
-        return JSONResponse(whole, headers=_headers(verdict))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        chosen = request.headers.get(POLICIES_HEADER)
-        return await _unless_disconnected(request, answer(body, chosen))
+# -- answering a completion request ------------------------------------------------------------
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        chosen = request.headers.get(POLICIES_HEADER)
-        return await _unless_disconnected(request, answer(body, chosen))
 
-    return app
+def _refusal(
+    served: _Served, body: ChatRequest | CompletionRequest, policy_set: str | None
+) -> Response | None:
+    """The error answer to a request this server refuses before the engine sees it (an unknown
+    policy set or model, too many tokens or logprobs asked for), or None."""
+    if policy_set is not None and policy_set not in served.policy_sets:
+        return _error(
+            400,
+            f"x-guardrail-policies: no policy set {policy_set!r} on this server; it has "
+            f"{sorted(served.policy_sets)} (guardrail-serve --policies FILE, 'overrides')",
+            "invalid_request_error",
+        )
+    if body.model != served.model:
+        return _error(
+            404,
+            f"the model {body.model!r} does not exist; this server serves {served.model!r}",
+            "invalid_request_error",
+            "model_not_found",
+        )
+    asked = body.max_completion_tokens or body.max_tokens
+    if asked is not None and asked >= served.max_model_len:
+        return _error(
+            400,
+            f"max_tokens is {asked}, but this model's maximum context length is "
+            f"{served.max_model_len} tokens, prompt included: ask for fewer",
+            "invalid_request_error",
+        )
+    return _too_many_logprobs(body, *served.logprob_limits)
+
+
+def _guard_request(
+    body: ChatRequest | CompletionRequest, data_marking: DelimitedData | None
+) -> Any:
+    """What the guard is asked: the chat's messages, the completion's prompt (with its data),
+    each message marked by ``data_marking`` when the server has one. Raises
+    ``ValidationError`` for messages the guard's types refuse."""
+    request: Any = (
+        [m.message() for m in body.messages]
+        if isinstance(body, ChatRequest)
+        else GuardedPrompt(instruction=body.prompt, data=body.data)
+        if body.data
+        else body.prompt
+    )
+    if data_marking is not None:
+        if isinstance(request, str):
+            request = [Message(role="user", content=request)]
+        if isinstance(request, list):
+            request = [data_marking.apply(m) for m in request]
+    return request
+
+
+async def _first_chunk(
+    chunks: AsyncIterator[GuardedStreamChunk],
+) -> GuardedStreamChunk | Response:
+    """The stream's first chunk (the one carrying the verdict), or the error answer when the
+    guard or the engine fails before it."""
+    try:
+        return await anext(chunks)
+    except (RequestError, ConfigError) as exc:
+        return _error(400, str(exc), "invalid_request_error")
+    except (EngineDeadError, EngineClosedError) as exc:
+        return _error(503, f"the engine cannot answer: {exc}", "engine_dead")
+    except GuardrailError as exc:
+        return _error(500, f"the guardrail failed: {exc}", "guardrail_error")
+
+
+async def _whole(
+    form: _Answer,
+    first: GuardedStreamChunk,
+    rest: AsyncIterator[GuardedStreamChunk],
+    verdict: Verdict,
+) -> Response:
+    """The non-streamed answer: every chunk's text, tokens and logprobs in one body."""
+    text, finish, token_ids = [first.text], first.finish_reason, list(first.token_ids)
+    positions = list(first.logprobs or ())
+    async for chunk in rest:
+        text.append(chunk.text)
+        finish = chunk.finish_reason
+        token_ids.extend(chunk.token_ids)
+        positions.extend(chunk.logprobs or ())
+    usage = _usage(verdict.num_prompt_tokens, len(token_ids))
+    whole = form.whole("".join(text), finish, verdict, usage, token_ids, positions)
+    return JSONResponse(whole, headers=_headers(verdict))
+
+
+async def _answer(
+    served: _Served, body: ChatRequest | CompletionRequest, policy_set: str | None
+) -> Response:
+    """Answer one completion request through the guard: refused, blocked (403, before any
+    token), streamed as server-sent events, or whole."""
+    refused = _refusal(served, body, policy_set)
+    if refused is not None:
+        return refused
+    guard: AsyncGuardedLLM = served.guard
+    chat = isinstance(body, ChatRequest)
+    try:
+        request = _guard_request(body, served.data_marking)
+    except ValidationError as exc:
+        return _error(400, f"invalid messages: {exc.errors()[0]['msg']}", "invalid_request_error")
+    try:
+        params = body.sampling_params(served.default_max_tokens)
+    except ValueError as exc:  # vLLM's own checks of the sampling values
+        return _error(400, f"invalid sampling parameters: {exc}", "invalid_request_error")
+    request_id = uuid.uuid4().hex
+    top = body.num_logprobs
+    logprobs = None if top is None else RequestLogprobs(chat=chat, top=top)
+    form = _Answer(chat, served.model, request_id, logprobs)
+    policies = None if policy_set is None else served.policy_sets[policy_set]
+    chunks = guard.stream(request, params, policies=policies, request_id=request_id)
+    first = await _first_chunk(chunks)
+    if isinstance(first, Response):
+        return first
+    verdict = first.verdict
+    if verdict is None:  # the guard always decides on the first chunk
+        return _error(500, "no verdict for this request", "guardrail_error")
+    if verdict.blocked:
+        await chunks.aclose()
+        return _blocked(verdict)
+    if body.stream:
+        events = _sse(form, first, chunks, verdict.num_prompt_tokens, body.include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=_headers(verdict))
+    return await _whole(form, first, chunks, verdict)
 
 
 def _logprob_limits(model_config: Any) -> tuple[int, int]:

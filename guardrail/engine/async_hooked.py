@@ -40,21 +40,20 @@ from pathlib import Path
 from typing import Any
 
 from guardrail.embedded import model_or_embedded
-from guardrail.engine.client import ProbeClient, per_request_args
+from guardrail.engine.client import per_request_args
 from guardrail.engine.engine_process import (
     SHUTDOWN_TIMEOUT_S,
     EngineHandle,
     EngineSupervisor,
     is_engine_dead_error,
 )
+from guardrail.engine.hooked_base import HookedBase, refused_as_not_guardable
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
     check_self_test,
-    check_served_model,
     check_sizes_from_files,
     engine_arguments,
     engine_probe_config,
-    heads_to_score,
 )
 from guardrail.engine.types import (
     STOP_IS,
@@ -158,7 +157,7 @@ class ResultPopper:
                     future.set_result(per_rank)
 
 
-class AsyncHookedLLM:
+class AsyncHookedLLM(HookedBase):
     """A vLLM ``AsyncLLM`` with the guardrail probe installed in its workers.
 
     Build it with ``await AsyncHookedLLM.create(model, probe_config, **engine_kwargs)`` (same
@@ -179,7 +178,6 @@ class AsyncHookedLLM:
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop vLLM's output task runs on
         self.model = model
         self.config = config
-        self.model_info: ModelInfo
         self.probe_heads: list[HeadKey] = []
         self._tokenizer = engine.get_tokenizer()
         self._max_model_len = engine.model_config.max_model_len
@@ -218,11 +216,7 @@ class AsyncHookedLLM:
         try:
             self._supervisor = EngineSupervisor(self._engine, loop=self.loop)
             self._finalizer = weakref.finalize(self, _close_engine, engine, self._supervisor)
-            await self._install(
-                probe_heads,
-                [int(layer) for layer in probe_hidden_layers],
-                [int(layer) for layer in probe_data_mean_layers],
-            )
+            await self._install(probe_heads, probe_hidden_layers, probe_data_mean_layers)
         except BaseException:
             self.close()
             raise
@@ -231,38 +225,17 @@ class AsyncHookedLLM:
     async def _install(
         self,
         probe_heads: Sequence[HeadKey] | str | None,
-        raw_hidden: list[int],
-        raw_means: list[int],
+        hidden_layers: Sequence[int],
+        data_mean_layers: Sequence[int],
     ) -> None:
-        info: ModelInfo = (await self.engine.collective_rpc(RPC_MODEL_INFO))[0]
-        self.model_info = info
-        check_served_model(info, self.config, self.model)
-        self.probe_heads = heads_to_score(self.config, info, probe_heads)
-        self.probe_hidden_layers: list[int] = sorted(set(raw_hidden))
-        self.probe_data_mean_layers: list[int] = sorted(set(raw_means))
-        self.probe = ProbeClient(
-            self.config,
-            tp_size=info["tp_size"],
-            pp_size=info["pp_size"],
-            stop_token=self._tokenizer.eos_token_id,
-        )
-        try:
-            await self.engine.collective_rpc(
-                RPC_INSTALL,
-                args=(
-                    [list(h) for h in self.probe_heads],
-                    self.config.model_dump(mode="json"),
-                    raw_hidden,
-                    raw_means,
-                ),
-            )
-            if raw_means or self.config.hidden_layers_at("data_mean"):
-                # the data-mean memo starts empty: no cached block may predate it
+        info: ModelInfo = (await self._rpc(RPC_MODEL_INFO))[0]
+        install = self._plan_install(info, probe_heads, hidden_layers, data_mean_layers)
+        with refused_as_not_guardable():
+            self.model_info = (await self._rpc(RPC_INSTALL, args=install.rpc_args))[0]
+            if install.reset_prefix_cache:
                 await self.engine.reset_prefix_cache()
-        except ValueError as exc:
-            raise EngineNotGuardableError(str(exc)) from exc
-        out = (await self.generate([SELF_TEST_REQUEST], self.sampling(max_tokens=1)))[0]
-        check_self_test(out)
+        # Refuse to run unguarded: one real request must come back scored.
+        check_self_test((await self.generate([SELF_TEST_REQUEST], self.sampling(max_tokens=1)))[0])
 
     async def _rpc(self, method: str, **kwargs: Any) -> Any:
         return await self.engine.collective_rpc(method, **kwargs)
@@ -302,15 +275,6 @@ class AsyncHookedLLM:
 
     # -- the GuardEngine facts the guard reads ---------------------------------------------------
     @property
-    def stop_token(self) -> int | None:
-        """The token an early-stopped request ends with (the tokenizer's eos)."""
-        return self.probe.stop_token
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
     def steering_vectors(self) -> dict[str, Any]:
         return {}
 
@@ -319,13 +283,6 @@ class AsyncHookedLLM:
             "steering is not available on the async engine yet; use HookedLLM (offline) for "
             "retry_with_steering policies"
         )
-
-    @staticmethod
-    def sampling(**kwargs: Any) -> Any:
-        """vLLM ``SamplingParams`` with greedy decoding unless ``kwargs`` say otherwise."""
-        from vllm import SamplingParams
-
-        return SamplingParams(**{"temperature": 0.0, **kwargs})
 
     def prepare(self, request: RequestLike) -> PreparedPrompt:
         """Render one request into token ids and spans (raises ``RequestError`` if invalid)."""

@@ -25,16 +25,15 @@ from typing import Any
 import torch
 
 from guardrail.embedded import model_or_embedded
-from guardrail.engine.client import PerRequestArgs, ProbeClient, per_request_args
+from guardrail.engine.client import PerRequestArgs, per_request_args
 from guardrail.engine.engine_process import EngineHandle, abort_unfinished
+from guardrail.engine.hooked_base import HookedBase, refused_as_not_guardable
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
     check_self_test,
-    check_served_model,
     check_sizes_from_files,
     engine_arguments,
     engine_probe_config,
-    heads_to_score,
 )
 from guardrail.engine.steering import ResolvedSteering, SteeringClient
 from guardrail.engine.types import (
@@ -65,7 +64,7 @@ FINALIZE_LOCK_WAIT_S = 30.0
 """At garbage collection or interpreter exit, how long closing waits for a running call."""
 
 
-class HookedLLM:
+class HookedLLM(HookedBase):
     """A ``vllm.LLM`` with the guardrail probe installed in its workers (a ``GuardEngine``).
 
     ``model`` is a model path or id (default: the embedded SmolLM2-135M-Instruct);
@@ -118,11 +117,7 @@ class HookedLLM:
             self._handle.watch()
             self._tokenizer = llm.get_tokenizer()
             self._max_model_len = llm.llm_engine.model_config.max_model_len
-            self._install(
-                probe_heads,
-                [int(layer) for layer in probe_hidden_layers],
-                [int(layer) for layer in probe_data_mean_layers],
-            )
+            self._install(probe_heads, probe_hidden_layers, probe_data_mean_layers)
         except BaseException:
             self.close()
             raise
@@ -145,63 +140,20 @@ class HookedLLM:
     def _install(
         self,
         probe_heads: Sequence[HeadKey] | str | None,
-        raw_hidden: list[int],
-        raw_means: list[int],
+        hidden_layers: Sequence[int],
+        data_mean_layers: Sequence[int],
     ) -> None:
         with self._engine_call() as llm:
             info: ModelInfo = llm.collective_rpc(RPC_MODEL_INFO)[0]
-        self.model_info = info
-        check_served_model(info, self.config, self.model)  # sizes must match; another id warns
-        heads = heads_to_score(self.config, info, probe_heads)
-        self.probe_heads: list[HeadKey] = heads
-        self.probe_hidden_layers: list[int] = sorted(set(raw_hidden))
-        self.probe_data_mean_layers: list[int] = sorted(set(raw_means))
-        self.probe = ProbeClient(
-            self.config,
-            tp_size=info["tp_size"],
-            pp_size=info["pp_size"],
-            stop_token=self.tokenizer.eos_token_id,
-        )
+        install = self._plan_install(info, probe_heads, hidden_layers, data_mean_layers)
         serial = self._handle.serial_llm(self.tokenizer)
         self.steering = SteeringClient(serial, self.config.model_id, info, self.prepare)
-        try:
-            with self._engine_call() as llm:
-                installed: ModelInfo = llm.collective_rpc(
-                    RPC_INSTALL,
-                    args=(
-                        [list(h) for h in heads],
-                        self.config.model_dump(mode="json"),
-                        raw_hidden,
-                        raw_means,
-                    ),
-                )[0]
-                if raw_means or self.config.hidden_layers_at("data_mean"):
-                    # the data-mean memo starts empty: no cached block may predate it
-                    llm.reset_prefix_cache()
-        except ValueError as exc:
-            raise EngineNotGuardableError(str(exc)) from exc
-        self.model_info = installed
-        self._self_test()
-
-    def _self_test(self) -> None:
-        """Refuse to run unguarded: one real request must come back scored."""
+        with refused_as_not_guardable(), self._engine_call() as llm:
+            self.model_info = llm.collective_rpc(RPC_INSTALL, args=install.rpc_args)[0]
+            if install.reset_prefix_cache:
+                llm.reset_prefix_cache()
+        # Refuse to run unguarded: one real request must come back scored.
         check_self_test(self.generate([SELF_TEST_REQUEST], self.sampling(max_tokens=1))[0])
-
-    @staticmethod
-    def sampling(**kwargs: Any) -> Any:
-        """vLLM ``SamplingParams`` with greedy decoding unless ``kwargs`` say otherwise."""
-        from vllm import SamplingParams
-
-        return SamplingParams(**{"temperature": 0.0, **kwargs})
-
-    @property
-    def stop_token(self) -> int | None:
-        """The token an early-stopped request ends with (the tokenizer's eos)."""
-        return self.probe.stop_token
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
 
     def prepare(self, request: RequestLike) -> PreparedPrompt:
         """Render one request into token ids and spans (raises ``RequestError`` if invalid)."""

@@ -106,6 +106,8 @@ def span_stats_into(
         raise ValueError(f"out must be a contiguous float32 [rows, columns, 5], got {out.shape}")
     if instruction.stride() != data.stride() or slots.stride(1) != 1 or data.stride(1) != 1:
         raise ValueError("slots, instruction and data must be row-major with the same row stride")
+    if any(t.stride(0) != 1 for t in (token_rows, lengths, heads, kv_heads)):
+        raise ValueError("token_rows, lengths, heads and kv_heads must be contiguous")
     if query.stride(-1) != 1:
         raise ValueError("query's last axis must be contiguous")
     dim = query.shape[-1]

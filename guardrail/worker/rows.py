@@ -250,15 +250,14 @@ def _device_tensors(
             masks[1, r, a:b] = True
         for a, b in spec["data"]:
             masks[2, r, a:b] = True
+    # one row per quantity, so each is a contiguous [K] tensor on the device (the fused kernel
+    # reads them by row index): batch index, token row, last position, prompt length
     index = np.array(
         [
-            [
-                rows.batch_index[i],
-                found[i][1],
-                rows.num_prompt_tokens[i] - 1,
-                rows.num_prompt_tokens[i],
-            ]
-            for i in ok
+            [rows.batch_index[i] for i in ok],
+            [found[i][1] for i in ok],
+            [rows.num_prompt_tokens[i] - 1 for i in ok],
+            [rows.num_prompt_tokens[i] for i in ok],
         ],
         dtype=np.int64,
     )
@@ -266,13 +265,13 @@ def _device_tensors(
     device = table.device
     masks_d, index_d = staging.to_device(masks), staging.to_device(index)
     rows.valid, rows.instruction, rows.data = masks_d[0], masks_d[1], masks_d[2]
-    rows.token_rows = index_d[:, 1]
+    rows.token_rows = index_d[1]
     rows.token_column = rows.token_rows[:, None]
-    blocks = table.index_select(0, index_d[:, 0])[:, : (width + block_size - 1) // block_size]
+    blocks = table.index_select(0, index_d[0])[:, : (width + block_size - 1) // block_size]
     positions = torch.arange(width, device=device)
     rows.slots = blocks.long()[:, positions // block_size] * block_size + positions % block_size
     rows.head_slots = rows.slots[:, None, :]
-    last, rows.lengths = index_d[:, 2], index_d[:, 3]
+    last, rows.lengths = index_d[2], index_d[3]
     rows.last_slots = rows.slots.gather(1, last[:, None])[:, 0]
     rows.flags = torch.zeros(len(ok), len(FLAG_MESSAGES), dtype=torch.bool, device=device)
 

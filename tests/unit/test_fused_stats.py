@@ -53,3 +53,13 @@ def test_kernel_reads_bfloat16_caches_and_queries():
 
 def test_the_kernel_is_not_offered_without_a_gpu():
     assert not fused_stats.fused_available("cpu")
+
+
+def test_strided_row_vectors_are_refused():
+    """The kernel reads per-row values by index: a strided view (a column of a [K, 4] table)
+    would be read at the wrong places, so it is refused rather than misread."""
+    lengths, spans = CASES["mixed lengths over several blocks"]
+    cache, query, token_rows, *rest = paged_case(lengths, spans)
+    strided = torch.stack([token_rows, token_rows], 1)[:, 0]
+    with pytest.raises(ValueError, match="contiguous"):
+        fused(cache, query, strided, *rest, scale=0.25)

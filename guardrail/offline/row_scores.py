@@ -62,7 +62,7 @@ class ScoringSettings:
     max_num_batched_tokens: int = 4096
     dtype: str | None = None
     seed: int = 0
-    engine_args: Mapping[str, Any] = field(default_factory=dict)
+    engine_args: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 class ScoredRows(NamedTuple):

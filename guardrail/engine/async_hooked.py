@@ -318,17 +318,9 @@ class AsyncHookedLLM(HookedBase):
             outputs = self.engine.generate(
                 TokensPrompt(prompt_token_ids=prompt.token_ids), params, f"guardrail-{key}"
             )
-            first = True
             async for out in outputs:
-                completion = out.outputs[0]
-                chunk = GuardedChunk(
-                    text=completion.text,
-                    token_ids=list(completion.token_ids),
-                    finished=out.finished,
-                    finish_reason=completion.finish_reason,
-                    logprobs=logprobs_of(completion),  # DELTA: this chunk's tokens' only
-                )
-                if first:
+                chunk = _delta_chunk(out)
+                if not popped:  # the first output: the prefill ran, the score is known
                     if list(out.prompt_token_ids or []) != prompt.token_ids:
                         raise GuardrailError(
                             "the engine returned the output of another request; not used"
@@ -336,7 +328,6 @@ class AsyncHookedLLM(HookedBase):
                     popped = True
                     probe = self.probe.result(await self.popper.pop(key), key)
                     chunk = chunk.first(prompt, probe, int(out.num_cached_tokens or 0))
-                    first = False
                 yield chunk
         except GuardrailError:
             raise
@@ -483,3 +474,15 @@ class AsyncHookedLLM(HookedBase):
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
+
+
+def _delta_chunk(out: Any) -> GuardedChunk:
+    """One vLLM ``RequestOutput`` of a ``DELTA`` stream as a chunk: what is new since the last."""
+    completion = out.outputs[0]
+    return GuardedChunk(
+        text=completion.text,
+        token_ids=list(completion.token_ids),
+        finished=out.finished,
+        finish_reason=completion.finish_reason,
+        logprobs=logprobs_of(completion),  # DELTA: this chunk's tokens' only
+    )

@@ -1,9 +1,10 @@
 """``AsyncGuardedLLM``: policies over the ``AsyncHookedLLM``, for servers and async apps.
 
-The same ``Decider`` as ``GuardedLLM`` (same policies, stop plans, verdicts and metrics); what
-the async engine adds is streaming with the decision first: ``stream`` yields the verdict with the
-request's first chunk, right after its prefill, so nothing of a blocked request is ever
-streamed, and a request the policies will block stops inside the engine after its prefill.
+The same ``GuardCore``, ``Decider`` and ``GuardedCall`` as ``GuardedLLM`` (same settings,
+policies, stop plans, verdicts, metrics and failures); what the async engine adds is streaming
+with the decision first: ``stream`` yields the verdict with the request's first chunk, right
+after its prefill, so nothing of a blocked request is ever streamed, and a request the policies
+will block stops inside the engine after its prefill.
 
 Retry policies (``retry_with_steering``) are refused here: the async engine cannot steer yet.
 
@@ -129,7 +130,11 @@ class AsyncGuardedLLM(GuardCore[AsyncHookedLLM]):
         config = engine_probe_config(str(model), probe_config, engine_kwargs, announce=False)
         checked = _decider(config, policies, settings).policies  # before the engine starts
         engine = await AsyncHookedLLM.create(model, config, **engine_kwargs)
-        return cls(engine, checked, owns_engine=True, **settings.keywords())
+        try:
+            return cls(engine, checked, owns_engine=True, **settings.keywords())
+        except BaseException:  # e.g. Ctrl-C: the engine this call started is not left running
+            engine.close()
+            raise
 
     # -- one request, streamed -------------------------------------------------------------------
     async def stream(

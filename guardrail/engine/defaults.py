@@ -1,7 +1,7 @@
 """Engine arguments that start fast on CPU, for what the user leaves unset.
 
 ``HookedLLM`` passes its engine arguments through ``cpu_defaults`` when vLLM runs on the CPU
-(``guardrail.engine.vllm_client`` asks vLLM's platform); on any other device they go to vLLM
+(``guardrail.engine.engine_process`` asks vLLM's platform); on any other device they go to vLLM
 unchanged. An argument the user gave always wins, whatever its value.
 
 - ``dtype="float32"`` unless ``dtype`` is given: vLLM's ``auto`` would run a float32 checkpoint

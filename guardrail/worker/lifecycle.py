@@ -3,7 +3,7 @@
 vLLM loads every ``vllm.general_plugins`` entry point in each of its processes (the engine core
 in ``EngineCore.__init__``, each worker in ``WorkerWrapperBase.init_worker``; pyproject.toml
 registers ``register`` below). It acts only in the processes of an engine started by this library
-(the caller sets ``ENGINE_ENV=1`` while vLLM spawns them: ``guardrail.engine.vllm_client``), and
+(the caller sets ``ENGINE_ENV=1`` while vLLM spawns them: ``guardrail.engine.engine_process``), and
 only in vLLM's engine-core and worker processes, never in the caller's process or in other vLLM
 engines of the same environment. There it does two things.
 

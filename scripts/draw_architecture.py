@@ -94,8 +94,8 @@ NOTES = {
         "Half of it is the kernel's argument list, passed positionally as Triton requires."
     ),
     "guardrail/worker/probe.py": (
-        "Planning, per-layer scoring, the end of step and the result store of one object; the "
-        "end of step and the result store could move to their own module."
+        "Planning, per-layer scoring (the kernel and the PyTorch path) and the end of step of one "
+        "object; the results wait in worker/results.py."
     ),
     "guardrail/probe/prompts.py": (
         "Rendering requests safely is one procedure with several guarantees; docs/security.md "

@@ -22,7 +22,6 @@ probe's step plan and rows (``guardrail.worker.hidden``).
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,16 +34,14 @@ from guardrail.probe.fused_stats import fused_available, span_stats_into
 from guardrail.probe.kv_layout import KeyGather, KeyView, key_gather_for, key_view_for
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, batched_logits, stats_from_logits
 from guardrail.protocol import (
-    MAX_STORED_RESULTS,
     PROBE_ARG,
     ProbeErrorReason,
     ProbeResultData,
     injected_fault_message,
 )
 from guardrail.worker.hidden import HiddenReader, install_hidden
+from guardrail.worker.results import FinishedStep, ResultStore
 from guardrail.worker.rows import (
-    FLAG_MESSAGES,
-    FLAG_REASONS,
     LAYOUT,
     NONFINITE,
     OTHER_RANK,
@@ -103,18 +100,6 @@ class Stops:
     stop: torch.Tensor  # [R] bool: force the stop token
 
 
-@dataclass
-class _Finished:
-    """One step's results on their way to the host: a non-blocking copy and its event."""
-
-    rows: StepRows
-    table: torch.Tensor  # [K, columns] float64 on the host (pinned on CUDA)
-    buffer: torch.Tensor | None  # the pinned buffer ``table`` lives in (back to the pool)
-    event: Any  # torch.cuda.Event, or None on CPU
-    columns: dict[str, slice]
-    seconds: float
-
-
 @dataclass(frozen=True)
 class ProbeSettings:
     """What the probe needs to know about the engine, fixed at install."""
@@ -132,7 +117,8 @@ class Probe:
     Per step: ``plan`` (first hooked layer: host facts, device tensors), ``score_layer`` per
     hooked attention layer (a few kernels for all rows and heads), ``HiddenReader.read`` per
     read decoder layer, ``finish_step`` after the last (focus and stops on the device, one
-    non-blocking copy). ``pop`` hands results to the caller, waiting for those copies.
+    non-blocking copy, into ``store``). ``pop`` hands results to the caller, waiting for those
+    copies (``guardrail.worker.results``).
     """
 
     def __init__(
@@ -154,8 +140,6 @@ class Probe:
         self.gather: KeyGather = _no_gather
         self.key_view: KeyView | None = None  # the cache's keys by strides (fused kernel)
         self.columns = 0  # this rank's heads over all hooked layers: the stats table's width
-        self.results: OrderedDict[str, ProbeResultData] = OrderedDict()
-        self.finished: deque[_Finished] = deque()
         # internal request id -> probe key while the request still waits for its score, else None
         self.pending: dict[str, str | None] = {}
         self.fault_keys = fault_keys
@@ -171,6 +155,7 @@ class Probe:
         self.head_order: list[list[int]] = []  # table_heads as sent with results (``ready``)
         self.staging = HostStaging(settings.device)  # the step's host arrays to the device
         self.tables = PinnedTables()  # the step's results back to the host
+        self.store = ResultStore(self.tables, settings.pp_size)  # results until popped
 
     def ready(self) -> None:
         """Called once the layers are hooked: fixes the table layout and the device focus."""
@@ -179,6 +164,7 @@ class Probe:
         self.term_layers = sorted(
             i for i, r in self.hidden.items() if r.last is not None or r.mean is not None
         )
+        self.store.term_layers = self.term_layers
         self.head_order = [[layer, head] for layer, head in self.table_heads]
         column = 0
         for layer in self.layers.values():
@@ -355,7 +341,11 @@ class Probe:
                 host = device_table.cpu()
         else:
             host = torch.empty(0, 0, dtype=torch.float64)
-        self.finished.append(_Finished(rows, host, buffer, event, columns, self.probe_seconds))
+        self.store.add(FinishedStep(rows, host, buffer, event, columns, self.probe_seconds))
+
+    def pop(self, keys: list[str]) -> dict[str, ProbeResultData]:
+        """Remove and return the stored results of ``keys`` (missing keys are absent)."""
+        return self.store.pop(keys)
 
     def _device_table(self, rows: StepRows) -> tuple[dict[str, torch.Tensor], Any]:
         """The step's results as device tensors by name, and the focus (None: no stops)."""
@@ -458,93 +448,6 @@ class Probe:
             values[2 * n : 3 * n].long(),
             stop,
         )
-
-    # -- handing results over ------------------------------------------------------------------
-    def pop(self, keys: list[str]) -> dict[str, ProbeResultData]:
-        """Remove and return the stored results of ``keys`` (missing keys are absent)."""
-        self._drain()
-        return {k: self.results.pop(k) for k in keys if k in self.results}
-
-    def _drain(self) -> None:
-        """Turn every finished step's table into results by key (waits for its copy)."""
-        while self.finished:
-            done = self.finished.popleft()
-            if done.event is not None:
-                done.event.synchronize()
-            values = done.table.numpy()  # [K, columns] float64, one line per row in ``ok``
-            rows = done.rows
-            at = {i: r for r, i in enumerate(rows.ok)}
-            for i, key in enumerate(rows.keys):
-                result: ProbeResultData = {
-                    "num_prompt_tokens": rows.num_prompt_tokens[i],
-                    "probe_seconds": done.seconds / max(len(rows), 1),
-                }
-                row = values[at[i]] if i in at and values.size else None
-                self._fill(result, rows, i, row, done.columns)
-                self.results[key] = result
-            if done.buffer is not None:  # every value was copied out of it
-                self.tables.give(done.buffer)
-            while len(self.results) > MAX_STORED_RESULTS:
-                self.results.popitem(last=False)
-
-    def _fill(
-        self,
-        result: ProbeResultData,
-        rows: StepRows,
-        i: int,
-        row: np.ndarray | None,
-        columns: dict[str, slice],
-    ) -> None:
-        """One row's result from its line of the step's table. Long float vectors travel as
-        float64 bytes: one value for vLLM's serialiser, which with
-        ``VLLM_ALLOW_INSECURE_SERIALIZATION`` set types every element of a list one by one
-        (what that cost: docs/gpu.md)."""
-        error, reason = rows.errors[i], rows.reasons[i]
-        if error is None and row is not None:
-            flags = row[columns["flags"]]
-            raised = np.flatnonzero(flags)
-            if raised.size:
-                column = int(raised[0])
-                error, reason = FLAG_MESSAGES[column], FLAG_REASONS[column]
-        if rows.stop_below[i] is not None and rows.stop_token[i] is not None:
-            focus = None
-            if error is None and row is not None and "focus" in columns:
-                focus = float(row[columns["focus"]][0])
-            self._fill_stop(result, rows, i, focus)
-        if error is not None or row is None:
-            result["error"] = error or "probe: no score"
-            result["reason"] = (reason or ProbeErrorReason.PROBE).value
-            return
-        result["stats"] = row[columns["stats"]].tobytes()  # ``head_order``, WIDTH per head
-        terms = row[columns["terms"]].tolist()
-        if terms:
-            result["hidden"] = [[lay, t] for lay, t in zip(self.term_layers, terms, strict=True)]
-        streams = [
-            [int(n[6:]), row[s].tobytes()] for n, s in columns.items() if n.startswith("stream")
-        ]
-        if streams:
-            result["hidden_states"] = streams
-        if rows.has_data[i]:  # no data tokens: no mean stream to return
-            means = [
-                [int(n[4:]), row[s].tobytes()] for n, s in columns.items() if n.startswith("mean")
-            ]
-            if means:
-                result["data_mean_states"] = means
-
-    def _fill_stop(
-        self, result: ProbeResultData, rows: StepRows, i: int, focus: float | None
-    ) -> None:
-        """The stop decision the device made for row ``i``, recomputed from the same numbers
-        (``focus`` None: the row was not scored, or no focus was computed)."""
-        if self.settings.pp_size > 1:
-            return
-        if focus is None:
-            stopped = rows.stop_on_error[i]
-        else:
-            result["focus"] = focus
-            stopped = focus <= float(rows.stop_below[i])  # type: ignore[arg-type]
-        if stopped:
-            result["stopped"] = True
 
 
 def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:

@@ -396,11 +396,11 @@ def test_a_wrong_kv_reader_is_caught_by_the_live_layout_check(tiny_engine):
 def test_results_evicted_from_a_full_store_are_missing_never_another_score(
     tiny_engine, monkeypatch
 ):
-    import guardrail.worker.probe as worker_probe  # the in-process engine's worker module
+    import guardrail.worker.results as worker_results  # the in-process engine's result store
 
     reference = [o.probe.focus for o in tiny_engine.score(REQUESTS)]
     assert all(f is not None for f in reference)
-    monkeypatch.setattr(worker_probe, "MAX_STORED_RESULTS", 3)
+    monkeypatch.setattr(worker_results, "MAX_STORED_RESULTS", 3)
     outputs = tiny_engine.score(REQUESTS)
     missing = [o.index for o in outputs if o.probe.error is not None]
     assert missing, "the store kept every result: the eviction was not exercised"

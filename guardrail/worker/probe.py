@@ -46,7 +46,6 @@ from guardrail.worker.rows import (
     NONFINITE,
     OTHER_RANK,
     HostStaging,
-    PinnedTables,
     StepRows,
     batch_layout,
     check_slots,
@@ -154,8 +153,7 @@ class Probe:
         self._rank_columns: torch.Tensor | None = None  # this rank's heads in the TP table
         self.head_order: list[list[int]] = []  # table_heads as sent with results (``ready``)
         self.staging = HostStaging(settings.device)  # the step's host arrays to the device
-        self.tables = PinnedTables()  # the step's results back to the host
-        self.store = ResultStore(self.tables, settings.pp_size)  # results until popped
+        self.store = ResultStore(settings.pp_size)  # results until popped, and their buffers
 
     def ready(self) -> None:
         """Called once the layers are hooked: fixes the table layout and the device focus."""
@@ -247,10 +245,11 @@ class Probe:
     def score_layer(
         self, layer: Layer, query: torch.Tensor, kv_cache: torch.Tensor, key: torch.Tensor
     ) -> None:
-        """This layer's attention logits for every scored row: [rows, heads, tokens] float32,
-        kept on the device; the stats of all layers are computed from them at the end of the
-        step, in one pass (``finish_step``). The first hooked layer also checks the KV layout:
-        the cached key of each row's last prompt token must be the key the layer computed."""
+        """This layer's part of the step's stats, kept on the device: with the fused kernel its
+        heads' stats, written into ``rows.stats``; otherwise its attention logits for every
+        scored row ([rows, heads, tokens] float32), whose stats ``finish_step`` computes for all
+        layers in one pass. The first hooked layer also checks the KV layout: the cached key of
+        each row's last prompt token must be the key the layer computed."""
         rows = self.rows
         if not rows.scored:
             return
@@ -266,11 +265,12 @@ class Probe:
             cached = self.gather(kv_cache, rows.last_slots)
             close = torch.isclose(cached.float(), computed.float(), rtol=1e-3, atol=1e-3)
             rows.flag(LAYOUT, ~close.flatten(1).all(1))
+        queries = query.view(query.shape[0], -1, dim)  # [tokens, heads, dim]
         if rows.stats is not None:
-            self._fused_layer(layer, query.view(query.shape[0], -1, dim), kv_cache)
+            self._fused_layer(layer, queries, kv_cache)
             return
         # one gather each: the scored heads' queries [K, h, dim], their keys [K, h, T, dim]
-        q = query.view(query.shape[0], -1, dim)[rows.token_column, layer.local_heads]
+        q = queries[rows.token_column, layer.local_heads]
         chunk = max(1, CHUNK_ELEMENTS // max(tokens * heads * dim, 1))
         parts = []
         for lo in range(0, rows.scored, chunk):  # one pass unless the step is very large
@@ -332,7 +332,7 @@ class Probe:
         if flat:
             device_table = torch.cat(flat, dim=1)
             if device_table.device.type == "cuda":
-                buffer = self.tables.take(device_table.numel())
+                buffer = self.store.tables.take(device_table.numel())
                 host = buffer[: device_table.numel()].view(device_table.shape)
                 host.copy_(device_table, non_blocking=True)
                 event = torch.cuda.Event()
@@ -506,9 +506,18 @@ def install_probe(
     # With pipeline parallelism this stage holds some layers only: it scores their heads, and
     # the caller merges the stages' results (early stops need every layer: refused by the caller).
     heads = [(layer, head) for layer, head in heads if layer in attention_layers]
-    module = next(iter(attention_layers.values()), None)
-    backend = (type(module.impl).__name__, getattr(module, "isa", None)) if module else ("", None)
-    key_view = key_view_for(*backend)
+    by_layer: dict[int, list[int]] = {}
+    for layer_index, head in heads:
+        local = by_layer.setdefault(layer_index, [])
+        if lo <= head < lo + per_rank:
+            local.append(head)
+    # one backend serves every layer: its key reader (refused here if it has none) and view
+    gather: KeyGather = _no_gather
+    key_view: KeyView | None = None
+    if by_layer:
+        first = attention_layers[min(by_layer)]
+        backend = (type(first.impl).__name__, getattr(first, "isa", None))
+        gather, key_view = key_gather_for(*backend), key_view_for(*backend)
     settings = ProbeSettings(
         block_size=info["block_size"],
         tp_size=info["tp_size"],
@@ -517,15 +526,9 @@ def install_probe(
         fused=key_view is not None and fused_available(runner.device),
     )
     probe = Probe(heads, fault_keys, settings, config)
-    probe.key_view = key_view
-    by_layer: dict[int, list[int]] = {}
-    for layer_index, head in heads:
-        local = by_layer.setdefault(layer_index, [])
-        if lo <= head < lo + per_rank:
-            local.append(head)
+    probe.gather, probe.key_view = gather, key_view
     for layer_index, global_heads in sorted(by_layer.items()):
         module = attention_layers[layer_index]
-        probe.gather = key_gather_for(type(module.impl).__name__, getattr(module, "isa", None))
         local_kv = int(getattr(module.impl, "num_kv_heads", info["num_kv_heads"]))
         local_heads = torch.tensor([h - lo for h in global_heads], dtype=torch.long)
         layer = Layer(

@@ -36,8 +36,8 @@ class FinishedStep:
 class ResultStore:
     """Finished steps and the results made from them, by probe key, until popped."""
 
-    def __init__(self, tables: PinnedTables, pp_size: int = 1) -> None:
-        self.tables = tables  # the pinned buffers finished steps came back in: returned here
+    def __init__(self, pp_size: int = 1) -> None:
+        self.tables = PinnedTables()  # pinned buffers the steps' tables come back in, reused
         self.pp_size = pp_size  # with pipeline parallelism no stage decides early stops
         self.term_layers: list[int] = []  # the layers of the hidden terms, in table order
         self.results: OrderedDict[str, ProbeResultData] = OrderedDict()

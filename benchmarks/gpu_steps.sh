@@ -6,9 +6,8 @@
 #
 #   bash benchmarks/gpu_steps.sh tests|bench1b|bench8b|profile|ab|serve
 #
-# ab: the same engine's caller settings side by side (chunked enqueue against one chunk), and
-# the bench at 512 tokens on the PyTorch probe path (GUARDRAIL_PROBE_KERNEL=torch) to set
-# against bench1b's Triton path.
+# ab: the same engine's caller settings side by side: enqueue a step's worth of tokens at a time
+# (the default), everything at once (one-chunk), or each render group at once (per-group).
 set -uo pipefail
 step=${1:?usage: gpu_steps.sh tests|bench1b|bench8b|profile|ab|serve}
 out=${OUT:-$PWD/gpu-out}
@@ -31,11 +30,8 @@ case $step in
     --batches 64 1 --max-tokens 1 --out "$out/gpu_8b.json" 2>&1 | grep "^{" ;;
   profile) python3 benchmarks/profile_phases.py --shape 1b --cases 1x512 64x512 --rounds 5 \
     --torch-profile --out "$out/phases.json" 2>&1 | quiet | tail -80 ;;
-  ab) python3 benchmarks/profile_phases.py --shape 1b --cases 1x512 64x512 --rounds 5 \
-    --variants default one-chunk --out "$out/phases_ab.json" 2>&1 | quiet | tail -30
-    GUARDRAIL_PROBE_KERNEL=torch python3 benchmarks/bench_gpu.py --shapes 1b --plain-text \
-    --lengths 512 --batches 64 1 --max-tokens 1 --out "$out/gpu_1b_torch_path.json" 2>&1 \
-    | grep "^{" ;;
+  ab) python3 benchmarks/profile_phases.py --shape 1b --cases 1x512 16x512 64x512 --rounds 5 \
+    --variants default one-chunk per-group --out "$out/phases_ab.json" 2>&1 | quiet | tail -30 ;;
   serve) python3 benchmarks/load_serving.py --model dummy-1b --device gpu --rounds 1 \
     --clients 32 64 --requests 128 --no-doc --start-timeout 200 2>&1 | quiet | tail -40
     cp benchmarks/results/load_serving_dummy-1b_gpu*.json "$out/" ;;

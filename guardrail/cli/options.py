@@ -170,11 +170,14 @@ def pool_rows_of(
     args: argparse.Namespace, split: Path | None, sources: Sequence[str] | None = None
 ) -> list[LabelledPair]:
     """The packaged pool's rows (:func:`load_pool` of ``sources``, default all) minus the
-    groups ``split`` holds out, subsampled by ``--max-groups-per-task`` and ``--seed``."""
+    groups ``split`` holds out (as tagged, ``bipia:email:3``, or as in the source file,
+    ``email:3``), subsampled by ``--max-groups-per-task`` and ``--seed``."""
     pairs = load_pool(sources)
     if split is not None:
         held = read_split(split)
-        pairs = [p for p in pairs if p.group not in held]
+        pairs = [
+            p for p in pairs if not {p.group, p.group.removeprefix(f"{p.extra['corpus']}:")} & held
+        ]
     if args.max_groups_per_task:
         pairs = sample_groups(pairs, args.max_groups_per_task, args.seed)
     if not pairs:

@@ -135,4 +135,25 @@ def test_the_summary_names_rows_and_licences():
     rows = load_pool(["agent_threat_bench"])
     (line,) = pool_summary(rows)
     assert line.startswith("agent_threat_bench: 62 rows (24 clean / 38 injected)")
-    assert "MIT (Copyright (c) 2024 UK AI Security Institute)" in line
+    assert (
+        "licence: MIT (Copyright (c) 2024 UK AI Security Institute; licenses/inspect-evals" in line
+    )
+
+
+def test_a_split_file_leaves_its_groups_out_tagged_or_as_in_the_source(tmp_path):
+    import argparse
+
+    from guardrail.cli.options import pool_rows_of
+
+    split = tmp_path / "split.json"
+    # one group as in the BIPIA file (both BIPIA sources hold it), one as tagged in the pool
+    split.write_text(json.dumps({"held_out_groups": {"t": ["email:2", "garak:garak-report-00"]}}))
+    args = argparse.Namespace(max_groups_per_task=None, seed=0)
+    sources = ["bipia", "bipia_everyday", "garak"]
+    everything = pool_rows_of(args, None, sources)
+    kept = pool_rows_of(args, split, sources)
+    assert {p.group for p in everything} - {p.group for p in kept} == {
+        "bipia:email:2",
+        "bipia_everyday:email:2",
+        "garak:garak-report-00",
+    }

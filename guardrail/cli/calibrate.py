@@ -330,19 +330,20 @@ def _write_report(
     path: Path,
     doc: dict[str, Any],
     pairs: Sequence[LabelledPair],
+    kind: str,
     probe: dict[str, Any],
     config: ModelProbeConfig,
 ) -> list[Path]:
-    """The report JSON at ``path`` with the chosen probe's per-source table (out-of-fold
-    focus), the table as markdown beside it and, with matplotlib, the sources' ROC curves."""
+    """The report JSON at ``path`` with the chosen probe's (``kind``'s) per-source table
+    (out-of-fold focus), the table as markdown beside it and, with matplotlib, the sources'
+    ROC curves."""
     focus = np.asarray(probe["oof_focus"], dtype=float)
     threshold = float(config.threshold if config.threshold is not None else 0.0)
     table = per_source_metrics(pairs, focus, threshold)
     write_json(path, {**doc, "per_source": table})
     written = [path, path.with_suffix(".md")]
     title = (
-        f"{config.model_id}: {config.probe} probe, out-of-fold focus per source "
-        f"(threshold {threshold:.4f})"
+        f"{config.model_id}: {kind} probe, out-of-fold focus per source (threshold {threshold:.4f})"
     )
     written[1].write_text(sources_markdown(table, title))
     if importlib.util.find_spec("matplotlib") is not None:
@@ -385,6 +386,7 @@ def run(args: argparse.Namespace, engine: Any) -> int:
             **_report(result, configs, model_id, table, provenance),
         },
         pairs,
+        result["chosen"],
         result["probes"][result["chosen"]],
         configs[result["chosen"]],
     )

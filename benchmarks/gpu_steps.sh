@@ -6,8 +6,8 @@
 #
 #   bash benchmarks/gpu_steps.sh tests|bench1b|bench8b|profile|ab|serve
 #
-# ab: the same engine's caller settings side by side: enqueue a step's worth of tokens at a time
-# (the default), everything at once (one-chunk), or each render group at once (per-group).
+# ab: the same engine's caller settings side by side: each render group enqueued as it is
+# rendered (the default) against everything rendered first (one-chunk).
 set -uo pipefail
 step=${1:?usage: gpu_steps.sh tests|bench1b|bench8b|profile|ab|serve}
 out=${OUT:-$PWD/gpu-out}
@@ -31,7 +31,7 @@ case $step in
   profile) python3 benchmarks/profile_phases.py --shape 1b --cases 1x512 64x512 --rounds 5 \
     --torch-profile --out "$out/phases.json" 2>&1 | quiet | tail -80 ;;
   ab) python3 benchmarks/profile_phases.py --shape 1b --cases 1x512 16x512 64x512 --rounds 5 \
-    --variants default one-chunk per-group --out "$out/phases_ab.json" 2>&1 | quiet | tail -30 ;;
+    --variants default one-chunk --out "$out/phases_ab.json" 2>&1 | quiet | tail -30 ;;
   serve) python3 benchmarks/load_serving.py --model dummy-1b --device gpu --rounds 1 \
     --clients 32 64 --requests 128 --no-doc --start-timeout 200 2>&1 | quiet | tail -40
     cp benchmarks/results/load_serving_dummy-1b_gpu*.json "$out/" ;;

@@ -13,8 +13,8 @@ CUDA-graph state is global), once with the prompts' token ids and once with thei
 
 ``--variants`` runs every case under several caller settings, to separate their effects:
 ``default``; ``unarmed`` (no ``stop_below``: the stop logits processor has nothing to do);
-``one-chunk`` (every request rendered before any is enqueued, instead of a step's worth of
-tokens at a time); ``per-group`` (each render group enqueued as soon as it is rendered);
+``one-chunk`` (every request rendered before any is enqueued, instead of a group of
+``RENDER_GROUP`` at a time);
 ``tok-serial`` / ``tok-parallel`` (``TOKENIZERS_PARALLELISM`` false / true for the caller's
 batch tokenizing). On a GPU the worker's host times are launch overhead unless a phase
 synchronises with the device; with ``--sync-debug`` one guarded call runs under
@@ -46,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 SPENT: dict[str, float] = defaultdict(float)
-VARIANTS = ("default", "unarmed", "one-chunk", "per-group", "tok-serial", "tok-parallel")
+VARIANTS = ("default", "unarmed", "one-chunk", "tok-serial", "tok-parallel")
 
 
 def timed(owner: Any, name: str, label: str, spent: dict[str, float]) -> None:
@@ -160,12 +160,13 @@ def plain_once(llm: Any, prompts: list[Any]) -> float:
     return time.perf_counter() - start
 
 
-def variant_settings(variant: str, step_tokens: int) -> tuple[bool, int, str | None]:
-    """(stop armed, the engine's ``enqueue_tokens``, TOKENIZERS_PARALLELISM) for a variant;
-    ``step_tokens``: the engine's default."""
-    enqueue_tokens = {"one-chunk": 1 << 30, "per-group": 1}.get(variant, step_tokens)
+def variant_settings(variant: str) -> tuple[bool, int, str | None]:
+    """(stop armed, render group size, TOKENIZERS_PARALLELISM) for a variant."""
+    from guardrail.engine import hooked
+
+    group = 1 << 30 if variant == "one-chunk" else hooked.RENDER_GROUP
     parallel = {"tok-serial": "false", "tok-parallel": "true"}.get(variant)
-    return variant != "unarmed", enqueue_tokens, parallel
+    return variant != "unarmed", group, parallel
 
 
 def main() -> None:
@@ -198,7 +199,7 @@ def main() -> None:
     from bench_gpu import requests_of
     from vllm.inputs import TextPrompt, TokensPrompt
 
-    from guardrail.engine import HookedLLM
+    from guardrail.engine import HookedLLM, hooked
     from guardrail.probe.prompts import prepare_prompt
     from guardrail.testing.dummy_models import build_dummy_model, dummy_probe_config
 
@@ -221,10 +222,10 @@ def main() -> None:
     tokenizer = plain.get_tokenizer()
     plain.collective_rpc(install_worker_timers)
     instrument_caller(guarded)
-    step_tokens = guarded.enqueue_tokens
+    default_group = hooked.RENDER_GROUP
     rows: list[dict[str, Any]] = []
     for variant in args.variants:
-        armed, guarded.enqueue_tokens, parallel = variant_settings(variant, step_tokens)
+        armed, hooked.RENDER_GROUP, parallel = variant_settings(variant)
         saved = os.environ.get("TOKENIZERS_PARALLELISM")
         if parallel is not None:
             os.environ["TOKENIZERS_PARALLELISM"] = parallel
@@ -282,7 +283,7 @@ def main() -> None:
             rows.append(row)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(rows, indent=1) + "\n")
-        guarded.enqueue_tokens = step_tokens
+        hooked.RENDER_GROUP = default_group
         if args.torch_profile:
             for batch, length in cases:
                 reqs = requests_of(length, batch, 99_991 + batch, tokenizer)

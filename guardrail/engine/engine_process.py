@@ -99,7 +99,6 @@ __all__ = [
     "abort_unfinished",
     "is_engine_dead_error",
     "shutdown_engine",
-    "step_token_budget",
 ]
 
 SHM_DIR = Path("/dev/shm")
@@ -135,18 +134,6 @@ def abort_unfinished(llm: Any) -> None:
     ids = list(getattr(engine.output_processor, "request_states", {}))
     if ids:
         engine.abort_request(ids, internal=True)
-
-
-DEFAULT_STEP_TOKENS = 8192
-"""The step budget assumed for an engine whose scheduler config cannot be read."""
-
-
-def step_token_budget(llm: Any) -> int:
-    """How many tokens ``llm``'s scheduler puts in one step (``max_num_batched_tokens``)."""
-    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
-    scheduler = getattr(config, "scheduler_config", None)
-    budget = getattr(scheduler, "max_num_batched_tokens", None)
-    return int(budget) if isinstance(budget, int) and budget > 0 else DEFAULT_STEP_TOKENS
 
 
 def _shm_mapped_by(pid: int | str) -> set[str]:

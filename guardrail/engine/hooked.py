@@ -26,7 +26,7 @@ import torch
 
 from guardrail.embedded import model_or_embedded
 from guardrail.engine.client import PerRequestArgs, per_request_args
-from guardrail.engine.engine_process import EngineHandle, abort_unfinished, step_token_budget
+from guardrail.engine.engine_process import EngineHandle, abort_unfinished
 from guardrail.engine.hooked_base import HookedBase, refused_as_not_guardable
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
@@ -77,8 +77,6 @@ class HookedLLM(HookedBase):
     (``ProbeResult.data_mean_states``; costs ``hidden_size`` float32 per KV slot per layer).
     Other keyword arguments go to ``vllm.LLM`` unchanged.
     Steering (``load_steering_vector``, ``generate(steering=...)``) needs ``enforce_eager=True``.
-    ``enqueue_tokens``: ``generate`` hands rendered requests to the engine once this many
-    prompt tokens are ready (default: the engine's step budget, ``max_num_batched_tokens``).
 
     Threads: one engine runs one call at a time. Calls from several threads are serialised by
     a per-engine lock (a second caller waits for the first call to finish), and that covers
@@ -119,7 +117,6 @@ class HookedLLM(HookedBase):
             self._handle.watch()
             self._tokenizer = llm.get_tokenizer()
             self._max_model_len = llm.llm_engine.model_config.max_model_len
-            self.enqueue_tokens = step_token_budget(llm)
             self._install(probe_heads, probe_hidden_layers, probe_data_mean_layers)
         except BaseException:
             self.close()
@@ -218,22 +215,13 @@ class HookedLLM(HookedBase):
         outputs: list[GuardedOutput | None] = [None] * len(requests)
         batch = _Batch()
         try:
-            # Rendered a few at a time, and enqueued once a full engine step's worth of prompt
-            # tokens is ready: the engine starts on the first step while the rest are rendered
-            # (as vLLM's own generate does with text), and gets every step full (smaller
-            # chunks made it run more, emptier steps: docs/gpu.md).
-            held: tuple[list[Any], list[Any]] = ([], [])
-            tokens = 0
+            # Rendered and enqueued a group at a time: the engine starts on the first group
+            # while the rest are rendered and tokenized (as vLLM's own generate does with text).
+            # Measured on the H200 against larger chunks (docs/gpu.md): starting early wins.
             for group in _groups(len(requests), RENDER_GROUP):
                 prompts, group_params = self._group(requests, group, args, steer, outputs, batch)
-                held[0].extend(prompts)
-                held[1].extend(group_params)
-                tokens += sum(len(p["prompt_token_ids"]) for p in prompts)
-                if held[0] and tokens >= self.enqueue_tokens:
-                    llm.enqueue(*held, use_tqdm=False)
-                    held, tokens = ([], []), 0
-            if held[0]:
-                llm.enqueue(*held, use_tqdm=False)
+                if prompts:
+                    llm.enqueue(prompts, group_params, use_tqdm=False)
             # in the order they were enqueued (vLLM sorts them by its request counter)
             results = llm.wait_for_completion(use_tqdm=use_tqdm) if batch.sent else []
         except BaseException:
@@ -410,7 +398,8 @@ class _Batch:
 
 
 RENDER_GROUP = 8
-"""``generate`` renders its requests this many at a time (one batched tokenizer call each)."""
+"""``generate`` renders and enqueues its requests this many at a time (one batched tokenizer
+call each)."""
 
 
 def _groups(n: int, size: int) -> Iterator[range]:

@@ -123,38 +123,42 @@ def test_one_bad_request_fails_alone(tiny_engine):
         assert good.error is None and good.probe.error is None and good.token_ids
 
 
-def test_generate_enqueues_a_full_step_of_tokens_at_a_time(tiny_engine):
-    """Rendered requests reach the engine in chunks of at least ``enqueue_tokens`` prompt
-    tokens (the last may be short), by default one engine step's budget, and a chunk is handed
-    over as soon as it has them; a bad request in the middle fails alone, order is kept."""
+def test_generate_enqueues_each_render_group_as_it_is_rendered(tiny_engine):
+    """Requests reach the engine a render group at a time, each group as soon as it is
+    rendered (the engine starts on the first while the rest render); a bad request in the
+    middle fails alone and order is kept."""
     from guardrail.engine.hooked import RENDER_GROUP
 
     llm = tiny_engine.llm
-    budget = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-    assert tiny_engine.enqueue_tokens == budget
     batch: list[object] = [("Translate to French.", f"Good morning, table {i}.") for i in range(30)]
     batch.insert(5, "")  # refused: never enqueued
     lengths = [len(tiny_engine.prepare(r).token_ids) for r in batch if r]
-    wanted = sum(lengths[:11])  # a chunk needs two render groups, and more
     sizes: list[list[int]] = []
-    real_enqueue = llm.enqueue
+    rendered, rendered_before = [0], []  # requests rendered so far, and when each was enqueued
+    real_enqueue, real_prepare_many = llm.enqueue, tiny_engine.prepare_many
 
     def recording_enqueue(prompts, *args, **kwargs):
         sizes.append([len(p["prompt_token_ids"]) for p in prompts])
+        rendered_before.append(rendered[0])
         return real_enqueue(prompts, *args, **kwargs)
 
-    llm.enqueue, tiny_engine.enqueue_tokens = recording_enqueue, wanted
+    def counting_prepare_many(requests):
+        rendered[0] += len(requests)
+        return real_prepare_many(requests)
+
+    llm.enqueue, tiny_engine.prepare_many = recording_enqueue, counting_prepare_many
     try:
         outs = tiny_engine.generate(batch, tiny_engine.sampling(max_tokens=2))
     finally:
-        llm.enqueue, tiny_engine.enqueue_tokens = real_enqueue, budget
+        llm.enqueue = real_enqueue
+        del tiny_engine.prepare_many
     assert [o.index for o in outs] == list(range(len(batch)))
     assert isinstance(outs[5].error, RequestError)
     good = [o for o in outs if o.index != 5]
     assert all(o.error is None and o.probe.error is None for o in good)
     assert [n for s in sizes for n in s] == lengths  # every good request once, in order
-    assert len(sizes) > 1 and all(sum(s) >= wanted for s in sizes[:-1])
-    assert all(sum(s[:-RENDER_GROUP]) < wanted for s in sizes)  # handed over at once
+    assert RENDER_GROUP == 8 and [len(s) for s in sizes] == [7, 8, 8, 7]  # "" is in the first
+    assert rendered_before == [8, 16, 24, 31]
 
 
 def test_early_stop_ends_the_request_after_prefill(tiny_engine):

@@ -8,7 +8,7 @@ itself (scoring rows through the score cache, fitting, the steering build) is th
 in ``guardrail.offline``.
 
     guardrail check --engine-arg enforce_eager=false                   # what an engine runs
-    guardrail calibrate --data pairs.jsonl --out my_configs/           # embedded SmolLM2
+    guardrail calibrate --out my_configs/            # embedded SmolLM2, the packaged pool
     guardrail evaluate --config model_configs/X.json --data pairs.jsonl --out-dir results/
     guardrail threshold --config model_configs/X.json --data my_clean.jsonl --out mine.json
 

@@ -79,7 +79,7 @@ def _lines(facts: dict[str, Any]) -> list[str]:
         "calibrated"
         if probe["calibrated"]
         else "NOT calibrated (published heads, untuned threshold): run `guardrail calibrate "
-        "--model MODEL --data pairs.jsonl --out DIR`"
+        "--model MODEL --out DIR`"
     )
     hidden = f", hidden-state layers {probe['hidden_layers']}" if probe["hidden_layers"] else ""
     return [

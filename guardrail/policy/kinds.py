@@ -124,7 +124,7 @@ class PromptInjectionPolicy(ConfigModel):
             raise ConfigError(
                 f"policy {self.name!r} has no threshold and the model config has none either: "
                 "set threshold=... on the policy, or calibrate the model (`guardrail calibrate "
-                "--model MODEL --data pairs.jsonl --out DIR`) to get one"
+                "--model MODEL --out DIR`) to get one"
             )
         return round(min(1.0, max(0.0, model_threshold + self.threshold_offset)), 6)
 

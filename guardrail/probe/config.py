@@ -243,8 +243,9 @@ class ModelProbeConfig(ConfigModel):
         return (
             f"the probe config of {self.model_id!r} was never calibrated ({len(self.heads)} "
             f"head(s), {threshold}, none of it measured on this model): its verdicts are "
-            "unreliable. Calibrate it on labelled rows: `guardrail calibrate --model MODEL "
-            "--data pairs.jsonl --out DIR`, then serve with the config it writes"
+            "unreliable. Calibrate it: `guardrail calibrate --model MODEL --out DIR` (the "
+            "packaged calibration pool; --data ROWS.jsonl for your own rows), then serve with "
+            "the config it writes"
         )
 
     @model_validator(mode="after")
@@ -405,8 +406,8 @@ class ModelProbeConfig(ConfigModel):
             raise ConfigError(
                 f"probe config for {self.model_id!r} was made for another model than the served "
                 f"{model!r}: {'; '.join(differ)}. Pass the config made for this model "
-                "(probe_config=...), or run `guardrail calibrate --model MODEL --data "
-                "pairs.jsonl --out DIR` to make one."
+                "(probe_config=...), or run `guardrail calibrate --model MODEL --out DIR` "
+                "to make one."
             )
         if served["num_layers"] is not None and served["num_heads"] is not None:
             self.check_fits(served["num_layers"], served["num_heads"])
@@ -523,8 +524,8 @@ def load_model_config(model: str, variant: str | None = None) -> ModelProbeConfi
     raise ModelConfigNotFoundError(
         f"no probe config for model {model!r}; shipped configs: {sorted(configs)}. Pass "
         "probe_config=... (a ModelProbeConfig or a JSON path; guardrail-serve: --probe-config "
-        "PATH), or make one for this model with `guardrail calibrate --model MODEL --data "
-        "pairs.jsonl --out DIR`."
+        "PATH), or make one for this model with `guardrail calibrate --model MODEL --out "
+        "DIR`."
     )
 
 

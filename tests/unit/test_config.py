@@ -498,7 +498,7 @@ def test_a_config_never_calibrated_is_named_with_the_command_that_fixes_it(caplo
     published = resolve_config("Qwen/Qwen2-1.5B-Instruct", None)
     note = published.uncalibrated
     assert note is not None and "'Qwen/Qwen2-1.5B-Instruct' was never calibrated" in note
-    assert "guardrail calibrate --model MODEL --data pairs.jsonl --out DIR" in note
+    assert "guardrail calibrate --model MODEL --out DIR" in note
     assert resolve_config("HuggingFaceTB/SmolLM2-135M-Instruct", None).uncalibrated is None
     with caplog.at_level(logging.WARNING, logger="guardrail"):
         engine_probe_config("Qwen/Qwen2-1.5B-Instruct", None, {"enforce_eager": True})

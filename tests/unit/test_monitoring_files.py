@@ -428,8 +428,8 @@ def test_alerts_fire_on_synthetic_series(tmp_path):
                 "summary": "Guardrail config of m was never calibrated",
                 "description": "The probe config guarding m records no calibration (published "
                 "heads, untuned threshold): its block and flag decisions are not measured on "
-                "this model. Run `guardrail calibrate --model MODEL --data pairs.jsonl --out "
-                "DIR` and serve with the config it writes.",
+                "this model. Run `guardrail calibrate --model MODEL --out DIR` and "
+                "serve with the config it writes.",
             },
         ),
     ]

@@ -20,7 +20,11 @@ Accepted request forms:
   the system message, the data in the user message after a neutral ``"Data: "`` prefix;
 - a list of chat messages (dicts or ``Message``): system/user/developer are trusted, any other
   role (tool, document, ...) is data; ``trusted=`` overrides, and a message's content may be a
-  list of ``Segment`` to mix trusted text with untrusted data inside one message.
+  list of ``Segment`` to mix trusted text with untrusted data inside one message;
+- ``ChatWithTools(messages=..., tools=...)``: a chat with the application's tool definitions,
+  which the template renders (as for ``vllm serve``). Tool definitions, an assistant message's
+  ``tool_calls`` and a tool message's ``tool_call_id`` are template input, not content: they are
+  part of the skeleton (span kind "other"), so they must hold no control-token string.
 
 Example:
     >>> GuardedPrompt(instruction="Summarize the email.", data="Hi Bob, ...").data
@@ -32,6 +36,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import json
 import os
 import re
 import secrets
@@ -76,6 +81,8 @@ class Message(BaseModel):
     role: str = Field(min_length=1)
     content: str | list[Segment]
     trusted: bool | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, OpenAI's form
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     def segments(self) -> list[Segment]:
         if isinstance(self.content, list):
@@ -101,7 +108,24 @@ class GuardedPrompt(BaseModel):
         ]
 
 
-RequestLike = str | tuple[str, str] | GuardedPrompt | Sequence[Message | dict[str, Any]]
+class ChatWithTools(BaseModel):
+    """A chat and the tool definitions the template renders with it (OpenAI's ``tools``).
+
+    Example:
+        >>> tool = {"type": "function", "function": {"name": "get_weather"}}
+        >>> len(ChatWithTools(messages=[{"role": "user", "content": "Hi"}], tools=[tool]).tools)
+        1
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    messages: list[Message] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+
+
+RequestLike = (
+    str | tuple[str, str] | GuardedPrompt | ChatWithTools | Sequence[Message | dict[str, Any]]
+)
 
 
 @dataclass(frozen=True)
@@ -175,6 +199,8 @@ def to_messages(request: RequestLike) -> list[Message]:
         return [Message(role="user", content=request)]
     if isinstance(request, GuardedPrompt):
         return request.messages()
+    if isinstance(request, ChatWithTools):
+        return list(request.messages)
     if isinstance(request, tuple) and len(request) == 2:
         instruction, data = request
         if not isinstance(instruction, str) or not isinstance(data, str):
@@ -227,8 +253,9 @@ class _Vocab:
     unk_id: int | None
     encode_text: Callable[[str], _Encoding]  # tokenize as text: special tokens not recognised
     encode_batch: Callable[[list[str]], list[_Encoding]] | None  # the usual encoding, batched
-    # roles of a request's messages -> (the template rendered with placeholders, the tag in them)
-    skeletons: dict[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
+    # roles of a request's messages and its markup (``_markup_key``) -> (the template rendered
+    # with placeholders, the tag in them)
+    skeletons: dict[tuple[tuple[str, ...], str], tuple[str, str]] = field(default_factory=dict)
 
     max_token_chars: int = 0  # no token spans more characters (0: unknown, no bound)
 
@@ -388,9 +415,49 @@ def control_token_ids(tokenizer: Any) -> frozenset[int]:
 # --- rendering ---------------------------------------------------------------------------------
 
 
-def _check_text(messages: list[Message], control: Iterable[str]) -> None:
-    """Refuse text the tokenizer cannot take, and roles that would forge template markup."""
+def _strings(value: Any) -> Iterable[str]:
+    """Every string in a JSON-like value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+
+
+def _check_markup(
+    messages: list[Message], tools: list[dict[str, Any]] | None, control: list[str]
+) -> None:
+    """Refuse template input that is not content (tool definitions, tool calls, tool call ids)
+    holding a control-token string or text the tokenizer cannot take: it is rendered as the
+    template's own markup, so it would yield control tokens (a forged turn)."""
+    pieces = [("the tool definitions", tools)] + [
+        (_where(i, m), [m.tool_calls, m.tool_call_id]) for i, m in enumerate(messages)
+    ]
+    for where, value in pieces:
+        for text in _strings(value):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(f"{where}: a tool field holds {_SURROGATE}") from None
+            if any(c in text for c in control):
+                raise RequestError(
+                    f"{where}: a tool definition, tool call or tool call id contains a control "
+                    "token of this model's tokenizer; these are rendered as chat-template markup, "
+                    "so they must hold no chat-template control strings"
+                )
+
+
+def _check_text(
+    messages: list[Message], control: Iterable[str], tools: list[dict[str, Any]] | None = None
+) -> None:
+    """Refuse text the tokenizer cannot take, and roles or tool fields that would forge template
+    markup."""
     control = [c for c in control if c]
+    _check_markup(messages, tools, control)
     for i, message in enumerate(messages):
         pieces = [("its role", message.role)]
         pieces += [(f"segment {j} ({s.kind})", s.text) for j, s in enumerate(message.segments())]
@@ -411,23 +478,83 @@ def _check_text(messages: list[Message], control: Iterable[str]) -> None:
             )
 
 
-def _template(tokenizer: Any, messages: list[Message], contents: list[str]) -> str:
-    chat = [{"role": m.role, "content": c} for m, c in zip(messages, contents, strict=True)]
-    return str(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+def _tool_call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call as vLLM hands it to a chat template: the function's ``arguments``
+    (a JSON string) decoded to an object, ``{}`` when it is not one
+    (``vllm.renderers.chat_utils``)."""
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
-def _tag_is_free(messages: list[Message], tag: str) -> bool:
-    """Whether ``tag`` appears in no role and no content of ``messages``."""
+def _chat_message(message: Message, content: str) -> dict[str, Any]:
+    chat: dict[str, Any] = {"role": message.role, "content": content}
+    if message.tool_calls is not None:
+        chat["tool_calls"] = [_tool_call_for_template(c) for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        chat["tool_call_id"] = message.tool_call_id
+    return chat
+
+
+def _template(
+    tokenizer: Any,
+    messages: list[Message],
+    contents: list[str],
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    chat = [_chat_message(m, c) for m, c in zip(messages, contents, strict=True)]
+    return str(
+        tokenizer.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
+    )
+
+
+def _markup_key(messages: list[Message], tools: list[dict[str, Any]] | None) -> str:
+    """The template input besides roles and content, as canonical JSON ("" when there is none):
+    with the roles, what a skeleton depends on (different tools, a different skeleton). A
+    tool-call message's empty content is part of it: it gets no placeholder (``_holders``)."""
+    calls = [
+        (i, m.tool_calls, m.tool_call_id, _no_holder(m))
+        for i, m in enumerate(messages)
+        if m.tool_calls is not None or m.tool_call_id is not None
+    ]
+    if not tools and not calls:
+        return ""
+    return json.dumps([tools, calls], sort_keys=True, ensure_ascii=False)
+
+
+def _tag_is_free(messages: list[Message], tag: str, markup: str = "") -> bool:
+    """Whether ``tag`` appears in no role, no content and no markup of ``messages``."""
     texts = [m.role for m in messages] + [s.text for m in messages for s in m.segments()]
-    return not any(tag in text for text in texts)
+    return not any(tag in text for text in [*texts, markup])
 
 
-def _fresh_tag(messages: list[Message]) -> str:
-    """Random hex that appears in no role and no content of ``messages``."""
+def _fresh_tag(messages: list[Message], markup: str = "") -> str:
+    """Random hex that appears in no role, no content and no markup of ``messages``."""
     while True:
         tag = secrets.token_hex(8)
-        if _tag_is_free(messages, tag):
+        if _tag_is_free(messages, tag, markup):
             return tag
+
+
+def _no_holder(message: Message) -> bool:
+    """An assistant's tool-call turn with no content: rendered with its content empty, not a
+    placeholder (templates render such a turn's content only when there is some)."""
+    return message.tool_calls is not None and not any(s.text for s in message.segments())
+
+
+def _holders(messages: list[Message], tag: str) -> list[str]:
+    """``_placeholders``, with "" for a message that gets none (``_no_holder``)."""
+    holders = _placeholders(tag, len(messages))
+    return ["" if _no_holder(m) else h for m, h in zip(messages, holders, strict=True)]
 
 
 def _placeholders(tag: str, count: int) -> list[str]:
@@ -436,15 +563,21 @@ def _placeholders(tag: str, count: int) -> list[str]:
     return [f"\ue000{tag}.{i}\ue001" for i in range(count)]
 
 
-def _render_skeleton(messages: list[Message], tokenizer: Any, holders: list[str]) -> str:
+def _render_skeleton(
+    messages: list[Message],
+    tokenizer: Any,
+    holders: list[str],
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     """The template rendered with placeholders: its errors can quote no content."""
     try:
-        return _template(tokenizer, messages, holders)
+        return _template(tokenizer, messages, holders, tools)
     except Exception as exc:  # a template raises whatever it likes (jinja2 TemplateError, ...)
         failure = type(exc).__name__
         detail = str(exc)
         for i, holder in enumerate(holders):
-            detail = detail.replace(holder, f"<content of message {i}>")
+            if holder:
+                detail = detail.replace(holder, f"<content of message {i}>")
         known = all(m.role in _KNOWN_ROLES for m in messages)
         detail = f": {detail[:300]}" if known and detail else ""
     roles = [m.role if m.role in _KNOWN_ROLES else "<custom>" for m in messages]
@@ -455,45 +588,56 @@ def _render_skeleton(messages: list[Message], tokenizer: Any, holders: list[str]
     )
 
 
-def _render(messages: list[Message], tokenizer: Any) -> tuple[str, list[tuple[int, int, SpanKind]]]:
+def _render(
+    messages: list[Message], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+) -> tuple[str, list[tuple[int, int, SpanKind]]]:
     """Render the chat template; return the text and each segment's character range.
 
     The template is rendered once with a unique placeholder in place of each message's content;
     each content is then put where its placeholder landed, and its segments' ranges recorded as
     they are placed (never found by searching the text). The result must equal the template
-    rendered with the real contents, or the request is refused.
+    rendered with the real contents, or the request is refused. ``tools`` (and messages' tool
+    calls) are rendered by the template as its own markup, in the skeleton.
     """
     contents = ["".join(s.text for s in m.segments()) for m in messages]
     skeletons = _vocab(tokenizer).skeletons
-    roles = tuple(m.role for m in messages)
-    if roles in skeletons:  # the skeleton depends on the roles alone: rendered once for them
-        skeleton, tag = skeletons[roles]
-        if _tag_is_free(messages, tag):
-            holders = _placeholders(tag, len(messages))
+    markup = _markup_key(messages, tools)
+    key = (tuple(m.role for m in messages), markup)
+    if key in skeletons:  # the skeleton depends on the roles and markup alone: rendered once
+        skeleton, tag = skeletons[key]
+        if _tag_is_free(messages, tag, markup):
+            holders = _holders(messages, tag)
             try:
-                return _place(messages, tokenizer, contents, skeleton, holders)
+                return _place(messages, tokenizer, contents, skeleton, holders, tools)
             except RequestError:  # e.g. a template that renders today's date: render afresh
                 pass
-    tag = _fresh_tag(messages)
-    holders = _placeholders(tag, len(messages))
-    skeleton = _render_skeleton(messages, tokenizer, holders)
-    rendered = _place(messages, tokenizer, contents, skeleton, holders)
+    tag = _fresh_tag(messages, markup)
+    holders = _holders(messages, tag)
+    skeleton = _render_skeleton(messages, tokenizer, holders, tools)
+    rendered = _place(messages, tokenizer, contents, skeleton, holders, tools)
     if len(skeletons) < MAX_SKELETONS:
-        skeletons[roles] = (skeleton, tag)
+        skeletons[key] = (skeleton, tag)
     return rendered
 
 
 MAX_SKELETONS = 256
-"""Skeletons kept per tokenizer (one per sequence of roles seen)."""
+"""Skeletons kept per tokenizer (one per sequence of roles and markup seen)."""
 
 
 def _place(
-    messages: list[Message], tokenizer: Any, contents: list[str], skeleton: str, holders: list[str]
+    messages: list[Message],
+    tokenizer: Any,
+    contents: list[str],
+    skeleton: str,
+    holders: list[str],
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[tuple[int, int, SpanKind]]]:
     """Put each content where its placeholder landed in ``skeleton``, recording its segments'
     character ranges; checked against the template rendered with the real contents."""
     placed: list[tuple[int, int]] = []
     for i, (message, holder) in enumerate(zip(messages, holders, strict=True)):
+        if not holder:  # no content to place (``_no_holder``)
+            continue
         count = skeleton.count(holder)
         if count == 0:
             raise RequestError(
@@ -522,17 +666,21 @@ def _place(
         cursor = at + len(holders[i])
     parts.append(skeleton[cursor:])
     text = "".join(parts)
-    _check_same_as_template(messages, tokenizer, contents, text)
+    _check_same_as_template(messages, tokenizer, contents, text, tools)
     return text, ranges
 
 
 def _check_same_as_template(
-    messages: list[Message], tokenizer: Any, contents: list[str], text: str
+    messages: list[Message],
+    tokenizer: Any,
+    contents: list[str],
+    text: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> None:
     """Refuse a rendering (content put in place of placeholders) that is not what the template
     renders with the real content: the template transforms content or depends on it."""
     try:
-        real = _template(tokenizer, messages, contents)
+        real = _template(tokenizer, messages, contents, tools)
     except Exception as exc:  # the template's message could quote the content: not kept
         real = None
         failure = type(exc).__name__
@@ -725,13 +873,14 @@ class _Rendered:
 
 def _rendered(request: RequestLike, tokenizer: Any) -> _Rendered:
     messages = to_messages(request)
-    _check_text(messages, _vocab(tokenizer).control.values())
+    tools = request.tools if isinstance(request, ChatWithTools) else None
+    _check_text(messages, _vocab(tokenizer).control.values(), tools)
     if not any(s.text.strip() for m in messages for s in m.segments() if s.kind == "instruction"):
         raise RequestError(
             "the request has no trusted instruction text: add a system or user "
             "message, or an instruction"
         )
-    text, ranges = _render(messages, tokenizer)
+    text, ranges = _render(messages, tokenizer, tools)
     return _Rendered(messages, text, ranges)
 
 

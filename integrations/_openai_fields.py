@@ -8,17 +8,18 @@ enumerates the ``openai`` package's request types against them):
 
 - ``SERVED``: honoured with the meaning OpenAI and ``vllm serve`` give it (vLLM's sampling
   extras ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` too; ``logprobs`` is
-  a boolean in a chat, with ``top_logprobs``, and a number in a completion);
+  a boolean in a chat, with ``top_logprobs``, and a number in a completion; ``tools``,
+  ``tool_choice`` "none" and "auto" and ``parallel_tool_calls``, as ``_openai_tools`` says);
 - ``NO_EFFECT``: bookkeeping fields that change nothing in the answer, accepted as ``vllm
   serve`` accepts them (``user``, ``metadata``, ``store``, ...);
-- ``REFUSED``: not served yet (tools, logit_bias, audio, echo, ...): a request that
+- ``REFUSED``: not served yet (logit_bias, audio, echo, ...): a request that
   sets one to anything but its "off" value is a 400 naming the field. A field in none of the
   sets is refused too.
 
 Example:
-    >>> refused_field({"model": "m", "tools": [{"type": "function"}]})
-    'tools'
-    >>> refused_field({"model": "m", "tools": [], "logit_bias": {}, "user": "u"}) is None
+    >>> refused_field({"model": "m", "logit_bias": {"42": 5}})
+    'logit_bias'
+    >>> refused_field({"model": "m", "audio": None, "logit_bias": {}, "user": "u"}) is None
     True
 """
 
@@ -53,6 +54,9 @@ SERVED = frozenset(
         "response_format",  # text, json_object, json_schema: vLLM's structured outputs
         "logprobs",  # chat: true / false; completions: how many most likely tokens
         "top_logprobs",  # chat
+        "tools",  # chat: rendered by the template, calls read by vLLM's tool parser
+        "tool_choice",  # "none"; "auto" with --enable-auto-tool-choice (others: a 400)
+        "parallel_tool_calls",
     }
 )
 NO_EFFECT = frozenset(
@@ -69,9 +73,6 @@ NO_EFFECT = frozenset(
 )
 REFUSED = frozenset(
     {
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
         "functions",
         "function_call",
         "logit_bias",
@@ -91,7 +92,6 @@ REFUSED = frozenset(
 _OFF: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),
     "best_of": (1,),
-    "tool_choice": ("none",),
 }
 """Values of a refused field that ask for nothing (besides None, False, "" and empty lists and
 objects): an SDK that sends them gets the plain answer it asked for."""

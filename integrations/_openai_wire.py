@@ -29,6 +29,7 @@ from pydantic import (
 from guardrail.probe.prompts import Message, Segment
 
 from ._openai_fields import refused_field
+from ._openai_tools import normalised_tools
 
 __all__ = ["ChatRequest", "CompletionRequest"]
 
@@ -171,13 +172,30 @@ class _ChatMessage(BaseModel):
     role: str = Field(min_length=1)
     content: str | list[_Part] | None = None
     trusted: StrictBool | None = None  # "yes" is an error, never a trusted message
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's: the call it answers
 
     def message(self) -> Message:
+        calls, call_id = self.tool_calls or None, self.tool_call_id
         if self.content is None or isinstance(self.content, str):
-            return Message(role=self.role, content=self.content or "", trusted=self.trusted)
+            content = self.content or ""
+            return Message(
+                role=self.role,
+                content=content,
+                trusted=self.trusted,
+                tool_calls=calls,
+                tool_call_id=call_id,
+            )
         default = Message(role=self.role, content="", trusted=self.trusted).segments()[0].kind
         parts = [Segment(text=p.text, kind=p.guardrail_kind or default) for p in self.content]
-        return Message(role=self.role, content=parts)
+        return Message(role=self.role, content=parts, tool_calls=calls, tool_call_id=call_id)
+
+
+class _NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
 
 
 class ChatRequest(_Sampling):
@@ -185,6 +203,40 @@ class ChatRequest(_Sampling):
     logprobs: StrictBool | None = None
     # the upper bound is the engine's (--max-logprobs, 20 by default): checked by the server
     top_logprobs: StrictInt | None = Field(default=None, ge=-1)
+    # tools: the template renders them, vLLM's tool parser reads the calls (_openai_tools)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_as_vllm_has_them(cls, tools: list[dict[str, Any]] | None) -> Any:
+        if not tools:  # [] asks for nothing
+            return None
+        from pydantic import ValidationError
+
+        try:
+            return normalised_tools(tools)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(p) for p in error["loc"]) or "a tool"
+            raise ValueError(f"invalid tool ({where}: {error['msg']})") from None
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatRequest:
+        if self.tool_choice not in (None, "none") and not self.tools:  # as vllm serve
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        return self
+
+    @property
+    def tool_choice_value(self) -> Any:
+        """``tool_choice`` as sent ("auto" when tools are given without one, as in OpenAI and
+        ``vllm serve``); a named function as its object."""
+        if isinstance(self.tool_choice, _NamedToolChoice):
+            return self.tool_choice.model_dump()
+        if self.tool_choice is None and self.tools:
+            return "auto"
+        return self.tool_choice
 
     @field_validator("top_logprobs")
     @classmethod

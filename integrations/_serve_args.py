@@ -102,6 +102,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "client change; docs/serving.md says its limits (default: none, data is marked by "
         "message roles and content parts)",
     )
+    own.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto": the model may call the request\'s tools, its calls read '
+        "by --tool-call-parser, as `vllm serve` (default: off; tools are then rendered only "
+        'with tool_choice "none")',
+    )
+    own.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="vLLM's tool parser for the model's calls (e.g. hermes, llama3_json, mistral), "
+        "as `vllm serve` (default: none)",
+    )
     own.add_argument("--host", default="127.0.0.1", help="address to listen on")
     own.add_argument("--port", type=int, default=8000, help="port to listen on")
     own.add_argument("--max-tokens", type=int, default=256, help="when a request sets none")

@@ -57,4 +57,9 @@ class DelimitedData:
         after = [piece for s in before for piece in self.segments(s.text, s.kind)]
         if not after or [(s.text, s.kind) for s in after] == [(s.text, s.kind) for s in before]:
             return message
-        return Message(role=message.role, content=after)
+        return Message(  # the tool fields kept: template input, not content
+            role=message.role,
+            content=after,
+            tool_calls=message.tool_calls,
+            tool_call_id=message.tool_call_id,
+        )

@@ -80,9 +80,10 @@ from guardrail.metrics.http import make_asgi_app, merged_registry, scrape_regist
 from guardrail.metrics.recorder import GuardrailMetrics
 from guardrail.policy import Policy
 from guardrail.policy.verdict import Verdict
-from guardrail.probe.prompts import GuardedPrompt, Message
+from guardrail.probe.prompts import ChatWithTools, GuardedPrompt, Message
 
 from ._openai_logprobs import RequestLogprobs
+from ._openai_tools import ToolCalling, ToolCallReader
 from ._openai_wire import ChatRequest, CompletionRequest
 from ._serve_args import build_parser
 from ._server_gate import DEFAULT_MAX_BODY_BYTES, RequestGate
@@ -146,12 +147,20 @@ class _Answer:
         self.logprobs = logprobs
 
     def _choice(
-        self, text: str, finish: str | None, delta: bool, logprobs: dict[str, Any] | None
+        self,
+        text: str | None,
+        finish: str | None,
+        delta: bool,
+        logprobs: dict[str, Any] | None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         if not self.chat:
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if delta else "message"
         content: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:  # as vllm serve: "tool_calls" for calls the model chose to make
+            content["tool_calls"] = tool_calls
+            finish = "tool_calls"
         return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
 
     def _logprobs(
@@ -167,14 +176,19 @@ class _Answer:
         usage: dict[str, int],
         token_ids: Sequence[int] = (),
         positions: Sequence[PositionLogprobs] | None = None,
+        tools: ToolCallReader | None = None,
     ) -> Any:
+        """The whole answer; ``tools``: how tool calls are read from ``text`` (a chat whose
+        tools may be called)."""
         logprobs = self._logprobs(token_ids, positions)
+        content, calls = (text, []) if tools is None else tools.read(text)
+        choice = self._choice(content, finish, delta=False, logprobs=logprobs, tool_calls=calls)
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [self._choice(text, finish, delta=False, logprobs=logprobs)],
+            "choices": [choice],
             "usage": usage,
             "guardrail": _verdict_json(verdict),
         }
@@ -307,10 +321,12 @@ class _Served:
     default_max_tokens: int
     policy_sets: dict[str, Sequence[Policy]]
     data_marking: DelimitedData | None
+    tool_calling: ToolCalling
     guard: Any = None  # AsyncGuardedLLM, once started
     model: str = ""
     max_model_len: int = 0
     logprob_limits: tuple[int, int] = (0, 0)
+    tokenizer: Any = None  # the engine's: vLLM's tool parsers read with it
 
     def started(self, guard: AsyncGuardedLLM) -> None:
         """Hold the started ``guard`` and read what the checks need from its engine."""
@@ -319,6 +335,7 @@ class _Served:
         model_config = guard.engine.engine.model_config
         self.max_model_len = model_config.max_model_len
         self.logprob_limits = _logprob_limits(model_config)
+        self.tokenizer = guard.engine.engine.get_tokenizer()
 
 
 def build_app(
@@ -331,6 +348,7 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
     policy_sets: Mapping[str, Sequence[Policy]] | None = None,
     data_marking: DelimitedData | None = None,
+    tool_calling: ToolCalling | None = None,
 ) -> FastAPI:
     """The guarded server's app. ``start`` builds the guard on the server's event loop (at
     start-up; the running app holds it as ``app.state.guard``); ``registry`` is where the
@@ -339,8 +357,16 @@ def build_app(
     (``_server_gate.RequestGate``). ``policy_sets``: named policy sets a request may pick
     instead of the guard's own, with the header ``x-guardrail-policies: NAME``.
     ``data_marking``: a server-side rule marking delimited text as data
-    (``_server_marking.DelimitedData``)."""
-    served = _Served(served_model_name, default_max_tokens, dict(policy_sets or {}), data_marking)
+    (``_server_marking.DelimitedData``). ``tool_calling``: ``--enable-auto-tool-choice`` and
+    ``--tool-call-parser`` (``_openai_tools``; default: neither, so tools are rendered only
+    with ``tool_choice: "none"``)."""
+    served = _Served(
+        served_model_name,
+        default_max_tokens,
+        dict(policy_sets or {}),
+        data_marking,
+        tool_calling or ToolCalling(),
+    )
     app = FastAPI(title="vllm-guardrail", lifespan=_lifespan(start, served))
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_request_bytes)
     # one scrape: the guardrail's series and the process's default registry, where vLLM's
@@ -458,6 +484,11 @@ def _refusal(
             "invalid_request_error",
             "model_not_found",
         )
+    if isinstance(body, ChatRequest) and body.tools:
+        refused = served.tool_calling.refusal(body.tool_choice_value, body.stream)
+        if refused is not None:
+            param = "stream" if refused.startswith("stream") else "tool_choice"
+            return _error(400, refused, "invalid_request_error", param=param)
     asked = body.max_completion_tokens or body.max_tokens
     if asked is not None and asked >= served.max_model_len:
         return _error(
@@ -473,8 +504,8 @@ def _guard_request(
     body: ChatRequest | CompletionRequest, data_marking: DelimitedData | None
 ) -> Any:
     """What the guard is asked: the chat's messages, the completion's prompt (with its data),
-    each message marked by ``data_marking`` when the server has one. Raises
-    ``ValidationError`` for messages the guard's types refuse."""
+    each message marked by ``data_marking`` when the server has one, a chat's tools with it.
+    Raises ``ValidationError`` for messages the guard's types refuse."""
     request: Any = (
         [m.message() for m in body.messages]
         if isinstance(body, ChatRequest)
@@ -487,7 +518,20 @@ def _guard_request(
             request = [Message(role="user", content=request)]
         if isinstance(request, list):
             request = [data_marking.apply(m) for m in request]
+    if isinstance(body, ChatRequest) and body.tools:
+        request = ChatWithTools(messages=request, tools=body.tools)
     return request
+
+
+def _tool_reader(served: _Served, body: ChatRequest | CompletionRequest) -> ToolCallReader | None:
+    """How this request's answer is read for tool calls: None unless it is a chat whose tools
+    may be called (``tool_choice`` "auto", served only with the tool flags)."""
+    parser = served.tool_calling.tool_call_parser
+    if not isinstance(body, ChatRequest) or not body.tools or parser is None:
+        return None
+    if body.tool_choice_value != "auto" or not served.tool_calling.auto:
+        return None
+    return ToolCallReader(parser, served.tokenizer, body.tools, body.parallel_tool_calls)
 
 
 async def _first_chunk(
@@ -510,8 +554,10 @@ async def _whole(
     first: GuardedStreamChunk,
     rest: AsyncIterator[GuardedStreamChunk],
     verdict: Verdict,
+    tools: ToolCallReader | None = None,
 ) -> Response:
-    """The non-streamed answer: every chunk's text, tokens and logprobs in one body."""
+    """The non-streamed answer: every chunk's text, tokens and logprobs in one body, its tool
+    calls read by ``tools``."""
     text, finish, token_ids = [first.text], first.finish_reason, list(first.token_ids)
     positions = list(first.logprobs or ())
     async for chunk in rest:
@@ -520,7 +566,7 @@ async def _whole(
         token_ids.extend(chunk.token_ids)
         positions.extend(chunk.logprobs or ())
     usage = _usage(verdict.num_prompt_tokens, len(token_ids))
-    whole = form.whole("".join(text), finish, verdict, usage, token_ids, positions)
+    whole = form.whole("".join(text), finish, verdict, usage, token_ids, positions, tools)
     return JSONResponse(whole, headers=_headers(verdict))
 
 
@@ -542,6 +588,9 @@ async def _answer(
         params = body.sampling_params(served.default_max_tokens)
     except ValueError as exc:  # vLLM's own checks of the sampling values
         return _error(400, f"invalid sampling parameters: {exc}", "invalid_request_error")
+    tools = _tool_reader(served, body)
+    if tools is not None:
+        params.skip_special_tokens = tools.skip_special_tokens(params.skip_special_tokens)
     request_id = uuid.uuid4().hex
     top = body.num_logprobs
     logprobs = None if top is None else RequestLogprobs(chat=chat, top=top)
@@ -560,7 +609,7 @@ async def _answer(
     if body.stream:
         events = _sse(form, first, chunks, verdict.num_prompt_tokens, body.include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=_headers(verdict))
-    return await _whole(form, first, chunks, verdict)
+    return await _whole(form, first, chunks, verdict, tools)
 
 
 def _logprob_limits(model_config: Any) -> tuple[int, int]:
@@ -661,6 +710,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     try:  # before anything starts: a model with no config is told what to run, at once
+        tool_calling = ToolCalling(args.enable_auto_tool_choice, args.tool_call_parser)
         model = str(model_or_embedded(args.model))
         config = engine_probe_config(model, args.probe_config, engine_kwargs, announce=False)
     except GuardrailError as exc:
@@ -706,6 +756,7 @@ def main(argv: list[str] | None = None) -> None:
         max_request_bytes=args.max_request_bytes,
         policy_sets=overrides,
         data_marking=None if args.data_between is None else DelimitedData(*args.data_between),
+        tool_calling=tool_calling,
     )
     # Exit handlers run last-registered first: the engine's own (a collection that frees the
     # closed engine, registered when it closes) run before this one, which then freezes what is

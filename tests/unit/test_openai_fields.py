@@ -34,10 +34,9 @@ def test_the_served_fields_are_the_request_models_fields() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("functions", [{"name": "f"}]),  # the deprecated form of tools
         ("logit_bias", {"42": 5}),
         ("prompt_logprobs", 1),  # vLLM's, in no list: refused
-        ("tool_choice", "required"),
         ("min_tokens", 3),  # in no list: refused too
     ],
 )

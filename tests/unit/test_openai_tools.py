@@ -1,0 +1,122 @@
+"""Tool calling in the guarded server's requests and answers (``_openai_tools``): the flags as
+``vllm serve`` takes them, the 400s that name what is not served, and calls read from real
+model text by vLLM's own ``hermes`` parser on the tiny model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from guardrail.integrations._openai_tools import ToolCalling, ToolCallReader
+from guardrail.integrations.serving import ChatRequest
+from pydantic import ValidationError
+
+from guardrail.errors import ConfigError
+from guardrail.probe.prompts import ChatWithTools
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+AUTO = ToolCalling(enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+
+def test_the_flags_are_checked_as_vllm_serve_checks_them() -> None:
+    with pytest.raises(ConfigError, match="requires --tool-call-parser"):
+        ToolCalling(enable_auto_tool_choice=True)
+    with pytest.raises(ConfigError, match=r"invalid tool call parser: nope .*hermes"):
+        ToolCalling(tool_call_parser="nope")
+    assert AUTO.auto and not ToolCalling(tool_call_parser="hermes").auto
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "stream", "says"),
+    [
+        (ToolCalling(), "auto", False, '"auto" tool choice requires --enable-auto-tool-choice'),
+        (ToolCalling(tool_call_parser="hermes"), "auto", False, "--enable-auto-tool-choice"),
+        (AUTO, "required", False, "tool_choice 'required' is not served"),
+        (AUTO, {"type": "function", "function": {"name": "f"}}, False, "a named function"),
+        (AUTO, "auto", True, "stream: true with tools is not served"),
+        (ToolCalling(), "none", True, None),
+        (AUTO, "none", False, None),
+        (AUTO, "auto", False, None),
+    ],
+)
+def test_what_is_not_served_is_a_message_naming_it(
+    tools: ToolCalling, choice: Any, stream: bool, says: str | None
+) -> None:
+    refused = tools.refusal(choice, stream)
+    assert refused is None if says is None else says in refused
+
+
+def test_tools_are_served_fields_as_vllm_hands_them_to_the_template() -> None:
+    body = ChatRequest.model_validate({**CHAT, "tools": [{"function": {"name": "f"}}]})
+    assert body.tools == [
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": None}}
+    ]
+    assert body.tool_choice_value == "auto"  # tools without a choice: "auto", as OpenAI
+    assert ChatRequest.model_validate({**CHAT, "tools": []}).tools is None
+    with pytest.raises(ValidationError, match="invalid tool"):
+        ChatRequest.model_validate({**CHAT, "tools": [{"function": {}}]})
+    with pytest.raises(ValidationError, match="`tools` must be set"):
+        ChatRequest.model_validate({**CHAT, "tool_choice": "auto"})
+    with pytest.raises(ValidationError, match="tool_choice"):
+        ChatRequest.model_validate({**CHAT, "tools": [TOOL], "tool_choice": "sometimes"})
+
+
+def test_tool_messages_keep_their_tool_fields() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "result", "tool_call_id": "c1"},
+    ]
+    body = ChatRequest.model_validate({**CHAT, "messages": messages})
+    assistant, tool = (m.message() for m in body.messages[1:])
+    assert assistant.tool_calls == [call] and assistant.content == ""
+    assert tool.tool_call_id == "c1" and tool.segments()[0].kind == "data"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+
+
+def test_hermes_calls_in_model_text_become_openai_tool_calls(tokenizer: Any) -> None:
+    reader = ToolCallReader(
+        "hermes", tokenizer, ChatRequest.model_validate({**CHAT, "tools": [TOOL]}).tools or []
+    )
+    text = (
+        'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call><tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n'
+        "</tool_call>"
+    )
+    content, calls = reader.read(text)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_weather"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "Paris"},
+        {"city": "Lyon"},
+    ]
+    assert all(c["type"] == "function" and c["id"] for c in calls)
+    first_only = ToolCallReader("hermes", tokenizer, reader.tools, parallel_tool_calls=False)
+    assert len(first_only.read(text)[1]) == 1
+    assert reader.read("It is sunny.") == ("It is sunny.", [])
+
+
+def test_a_request_with_tools_is_rendered_with_them() -> None:
+    from guardrail.integrations.serving import _guard_request
+
+    body = ChatRequest.model_validate({**CHAT, "tools": [TOOL]})
+    request = _guard_request(body, None)
+    assert isinstance(request, ChatWithTools)
+    assert request.tools == body.tools
+    assert request.messages[0].content == "Weather in Paris?"

@@ -104,7 +104,10 @@ class HookedLLM(HookedBase):
         arguments = engine_arguments(engine_kwargs)
         model = model_or_embedded(model)
         self.model = str(model)
-        self.config = engine_probe_config(self.model, probe_config, arguments)
+        # with probe_heads it scores heads for calibration: no guard's config to warn about
+        self.config = engine_probe_config(
+            self.model, probe_config, arguments, announce=probe_heads is None
+        )
         check_sizes_from_files(self.model, self.config)
         from vllm import LLM
 

@@ -404,6 +404,8 @@ def test_console_entry_starts_its_own_engine(tiny_llama_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert read_model_config(tmp_path / f"{tiny_llama_dir.name}.json").calibration is not None
+    # the scoring engine's placeholder config is no guard's: no "calibrate it" warning
+    assert "never calibrated" not in proc.stderr + proc.stdout
 
 
 # -- data layer --------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ SERVED = frozenset(
         "logprobs",  # chat: true / false; completions: how many most likely tokens
         "top_logprobs",  # chat
         "tools",  # chat: rendered by the template, calls read by vLLM's tool parser
-        "tool_choice",  # "none"; "auto" with --enable-auto-tool-choice (others: a 400)
+        "tool_choice",  # "none"; the others with --enable-auto-tool-choice --tool-call-parser
         "parallel_tool_calls",
     }
 )

@@ -226,6 +226,18 @@ class ChatRequest(_Sampling):
     def _tool_choice_needs_tools(self) -> ChatRequest:
         if self.tool_choice not in (None, "none") and not self.tools:  # as vllm serve
             raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if isinstance(self.tool_choice, _NamedToolChoice):
+            name = self.tool_choice.function.get("name")
+            if not isinstance(name, str) or not name:
+                raise ValueError(
+                    'tool_choice: a named function needs {"type": "function", "function": '
+                    '{"name": "my_function"}}'
+                )
+            if name not in {t["function"]["name"] for t in self.tools or ()}:
+                raise ValueError(
+                    "The tool specified in `tool_choice` does not match any of the specified "
+                    "`tools`"
+                )
         return self
 
     @property

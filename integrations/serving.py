@@ -158,9 +158,8 @@ class _Answer:
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if delta else "message"
         content: dict[str, Any] = {"role": "assistant", "content": text}
-        if tool_calls:  # as vllm serve: "tool_calls" for calls the model chose to make
+        if tool_calls is not None:
             content["tool_calls"] = tool_calls
-            finish = "tool_calls"
         return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
 
     def _logprobs(
@@ -181,7 +180,10 @@ class _Answer:
         """The whole answer; ``tools``: how tool calls are read from ``text`` (a chat whose
         tools may be called)."""
         logprobs = self._logprobs(token_ids, positions)
-        content, calls = (text, []) if tools is None else tools.read(text)
+        content: str | None = text
+        calls: list[dict[str, Any]] | None = None
+        if tools is not None:
+            content, calls, finish = tools.read(text, finish)
         choice = self._choice(content, finish, delta=False, logprobs=logprobs, tool_calls=calls)
         return {
             "id": self.id,
@@ -327,6 +329,7 @@ class _Served:
     max_model_len: int = 0
     logprob_limits: tuple[int, int] = (0, 0)
     tokenizer: Any = None  # the engine's: vLLM's tool parsers read with it
+    tool_parser_class: Any = None  # vLLM's composed parser, with the tool flags
 
     def started(self, guard: AsyncGuardedLLM) -> None:
         """Hold the started ``guard`` and read what the checks need from its engine."""
@@ -336,6 +339,7 @@ class _Served:
         self.max_model_len = model_config.max_model_len
         self.logprob_limits = _logprob_limits(model_config)
         self.tokenizer = guard.engine.engine.get_tokenizer()
+        self.tool_parser_class = self.tool_calling.parser_class(self.tokenizer)
 
 
 def build_app(
@@ -525,13 +529,14 @@ def _guard_request(
 
 def _tool_reader(served: _Served, body: ChatRequest | CompletionRequest) -> ToolCallReader | None:
     """How this request's answer is read for tool calls: None unless it is a chat whose tools
-    may be called (``tool_choice`` "auto", served only with the tool flags)."""
-    parser = served.tool_calling.tool_call_parser
+    may be called (``tool_choice`` other than "none", served only with the tool flags)."""
+    parser = served.tool_parser_class
     if not isinstance(body, ChatRequest) or not body.tools or parser is None:
         return None
-    if body.tool_choice_value != "auto" or not served.tool_calling.auto:
+    choice = body.tool_choice_value
+    if choice == "none":
         return None
-    return ToolCallReader(parser, served.tokenizer, body.tools, body.parallel_tool_calls)
+    return ToolCallReader(parser, served.tokenizer, body.tools, body.parallel_tool_calls, choice)
 
 
 async def _first_chunk(
@@ -590,7 +595,7 @@ async def _answer(
         return _error(400, f"invalid sampling parameters: {exc}", "invalid_request_error")
     tools = _tool_reader(served, body)
     if tools is not None:
-        params.skip_special_tokens = tools.skip_special_tokens(params.skip_special_tokens)
+        tools.adjust(params)
     request_id = uuid.uuid4().hex
     top = body.num_logprobs
     logprobs = None if top is None else RequestLogprobs(chat=chat, top=top)

@@ -135,6 +135,40 @@ def test_a_tool_call_in_the_models_text_is_answered_as_tool_calls(
     assert plain.choices[0].message.content == call and not plain.choices[0].message.tool_calls
 
 
+CLOCK = {  # strict, no parameters: the one answer the constraint allows is short
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        "strict": True,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("choice", "finish"),
+    [("required", "tool_calls"), ({"type": "function", "function": {"name": "get_time"}}, "stop")],
+)
+def test_a_forced_call_is_made_by_the_tiny_model_itself(
+    client: openai.OpenAI, choice: Any, finish: str
+) -> None:
+    """vLLM's structural tag constrains the tiny model's answer to a Hermes call of the strict
+    tool, which vLLM's parser reads back: a call made and read end to end, no text put in."""
+    answer = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=[CLOCK],
+        tool_choice=choice,
+        parallel_tool_calls=False,  # one call, then the answer ends (else the model goes on)
+        max_tokens=64,
+        temperature=0,
+    )
+    made = answer.choices[0]
+    assert made.finish_reason == finish, made
+    assert [c.function.name for c in made.message.tool_calls or ()] == ["get_time"]
+    assert json.loads(made.message.tool_calls[0].function.arguments) == {}
+
+
 def test_a_blocked_request_with_tools_is_a_403(client: openai.OpenAI) -> None:
     with pytest.raises(openai.PermissionDeniedError) as blocked:
         client.chat.completions.create(
@@ -168,8 +202,11 @@ def test_a_tool_conversation_renders_and_answers(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("fields", "says"),
     [
-        ({"tool_choice": "required"}, "tool_choice 'required' is not served"),
         ({"stream": True}, "stream: true with tools is not served"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "send_mail"}}},
+            "does not match any of the specified `tools`",
+        ),
         ({"tools": [{"function": {}}]}, "invalid tool"),
     ],
 )

@@ -528,7 +528,8 @@ def _markup_key(messages: list[Message], tools: list[dict[str, Any]] | None) -> 
     ]
     if not tools and not calls:
         return ""
-    return json.dumps([tools, calls], sort_keys=True, ensure_ascii=False)
+    # repr for what JSON cannot hold: the template then refuses it, as one bad request
+    return json.dumps([tools, calls], sort_keys=True, ensure_ascii=False, default=repr)
 
 
 def _tag_is_free(messages: list[Message], tag: str, markup: str = "") -> bool:

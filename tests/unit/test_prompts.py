@@ -698,3 +698,15 @@ def test_a_placeholder_tag_is_never_one_the_tools_hold(hermes_tokenizer, monkeyp
     prompt = prepare_prompt(ChatWithTools(messages=chat, tools=[tool]), hermes_tokenizer)
     assert "feedfacefeedface" in prompt.text
     assert _text(hermes_tokenizer, prompt.token_ids, prompt.instruction_spans) == "Hi there"
+
+
+def test_tools_that_are_not_json_fail_alone(hermes_tokenizer):
+    from guardrail.probe.prompts import ChatWithTools
+
+    odd = ChatWithTools(
+        messages=[{"role": "user", "content": "Hi"}],
+        tools=[{"type": "function", "function": {"name": "f", "tags": {1, 2}}}],
+    )
+    bad, good = prepare_prompts([odd, "Hello"], hermes_tokenizer)
+    assert isinstance(bad, RequestError) and "chat template refused" in str(bad)
+    assert not isinstance(good, RequestError)

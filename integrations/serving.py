@@ -593,9 +593,12 @@ async def _answer(
         params = body.sampling_params(served.default_max_tokens)
     except ValueError as exc:  # vLLM's own checks of the sampling values
         return _error(400, f"invalid sampling parameters: {exc}", "invalid_request_error")
-    tools = _tool_reader(served, body)
-    if tools is not None:
-        tools.adjust(params)
+    try:  # vLLM's parser validates the tools again and sets the call's constraint
+        tools = _tool_reader(served, body)
+        if tools is not None:
+            tools.adjust(params)
+    except ValueError as exc:
+        return _error(400, f"invalid tools: {exc}", "invalid_request_error", param="tools")
     request_id = uuid.uuid4().hex
     top = body.num_logprobs
     logprobs = None if top is None else RequestLogprobs(chat=chat, top=top)

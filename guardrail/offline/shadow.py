@@ -148,12 +148,12 @@ def threshold_from_histogram(
     if not 0.0 < target_fpr < 1.0:
         raise ConfigError(f"--target-fpr must be in (0, 1), got {target_fpr}")
     threshold, flagged = histogram.threshold_at(target_fpr)
-    above = [e for e in histogram.edges if e > threshold]
-    next_edge = above[0] if above else 1.0
-    index = histogram.edges.index(next_edge) if next_edge in histogram.edges else -1
-    flagged_next = (
-        histogram.cumulative[index] / histogram.total if index >= 0 else 1.0  # +Inf: everything
-    )
+    above = [k for k, edge in enumerate(histogram.edges) if edge > threshold]
+    if above:
+        next_edge = histogram.edges[above[0]]
+        flagged_next = histogram.cumulative[above[0]] / histogram.total
+    else:  # only +Inf above: it flags everything
+        next_edge, flagged_next = 1.0, 1.0
     calibration = config.calibration or Calibration(dataset="", num_examples=0, sha256="")
     note = (
         f"threshold set to {threshold:g} (was {config.threshold}) from the "

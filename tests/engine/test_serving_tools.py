@@ -28,16 +28,8 @@ from guardrail.metrics.recorder import GuardrailMetrics
 from guardrail.policy import load_policies
 from guardrail.probe.prompts import ChatWithTools, prepare_prompt
 from tests.helpers import start_async_engine, uvicorn_in_thread
-from tests.tool_templates import HERMES_TEMPLATE
+from tests.tool_templates import HERMES_TEMPLATE, TOOL
 
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

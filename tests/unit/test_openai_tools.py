@@ -14,15 +14,8 @@ from pydantic import ValidationError
 
 from guardrail.errors import ConfigError
 from guardrail.probe.prompts import ChatWithTools
+from tests.tool_templates import TOOL
 
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}]}
 AUTO = ToolCalling(enable_auto_tool_choice=True, tool_call_parser="hermes")
 NAMED = {"type": "function", "function": {"name": "get_weather"}}

@@ -85,3 +85,81 @@ def fused(cache, query, token_rows, local, kv_heads, slots, valid, instruction, 
     )
     assert out[:, :2].isnan().all() and out[:, -1].isnan().all()  # only its own columns
     return out[:, 2:-1]
+
+
+LAYER_HEADS = ((0, 5, 6, 7), (1,), (2, 3, 4, 7))
+"""The scored query heads of each layer of ``layers_case`` (8 query heads over 2 kv heads)."""
+
+
+def layers_case(lengths, spans, layer_heads=LAYER_HEADS, *, seed=0, device="cpu", **shape):
+    """Several layers over the same rows, as vLLM holds them: each layer its own cache tensor
+    (separately allocated; the second a view into a larger buffer, so the layers lie at
+    unrelated distances), its own queries and scored heads; one block table (slots) and one set
+    of masks for all. Returns (caches, queries, heads, kv_heads, token_rows, slots, valid,
+    instruction, data)."""
+    cache, query, token_rows, _, _, slots, valid, instruction, data = paged_case(
+        lengths, spans, seed=seed, **shape
+    )
+    q_heads, kv = query.shape[1], cache.shape[1]
+    gen = torch.Generator().manual_seed(seed + 100)
+    caches, queries, heads, kv_heads = [], [], [], []
+    for i, scored in enumerate(layer_heads):
+        if i == 1:  # inside a buffer: a storage offset, and memory before it
+            buffer = torch.randn(cache.numel() + 999, generator=gen)
+            layer_cache = buffer[999:].view(cache.shape)
+        else:
+            layer_cache = torch.randn(cache.shape, generator=gen)
+        caches.append(layer_cache.to(device))
+        queries.append((torch.randn(query.shape, generator=gen) * 2.0).to(device))
+        local = torch.tensor(scored)
+        heads.append(local.to(device))
+        kv_heads.append((local // (q_heads // kv)).to(device))
+    rest = (token_rows, slots, valid, instruction, data)
+    return caches, queries, heads, kv_heads, *(t.to(device) for t in rest)
+
+
+def per_layer(path, caches, queries, heads, kv_heads, token_rows, *masks, **kw):
+    """Each layer's stats by ``path`` (``fused`` or ``torch_path``), side by side as in the
+    probe's table: [rows, every layer's heads, 5]."""
+    return torch.cat(
+        [
+            path(cache, query, token_rows, local, kv, *masks, **kw)
+            for cache, query, local, kv in zip(caches, queries, heads, kv_heads, strict=True)
+        ],
+        dim=1,
+    )
+
+
+def fused_layers(caches, queries, heads, kv_heads, token_rows, slots, valid, instruction, data,
+                 *, offsets=None, **kw):  # fmt: skip
+    """Every layer's stats by the multi-layer kernel in one launch, as the probe runs it: the
+    queries stashed per layer, the column table, the caches by element offset from the first
+    (``offsets`` replaces those, to check that a wrong one is caught)."""
+    views = [flash_attn_key_view(cache) for cache in caches]
+    if offsets is None:
+        offsets = fused_stats.key_offsets(views)
+        assert None not in offsets
+    stash = torch.stack([query.index_select(0, token_rows) for query in queries])
+    first = [2 + sum(len(h) for h in heads[:i]) for i in range(len(heads))]  # two columns before
+    layers = [
+        (i, h.tolist(), k.tolist(), first[i])
+        for i, (h, k) in enumerate(zip(heads, kv_heads, strict=True))
+    ]
+    columns = torch.from_numpy(fused_stats.column_table(layers)).to(stash.device)
+    width = sum(len(h) for h in heads)
+    out = torch.full((len(token_rows), width + 3, 5), float("nan"), device=stash.device)
+    fused_stats.span_stats_layers_into(
+        out,
+        stash,
+        columns,
+        views[0],
+        torch.tensor(offsets, dtype=torch.long, device=stash.device),
+        slots,
+        valid.sum(1),
+        instruction,
+        data,
+        kw["scale"],
+        kw.get("softcap"),
+    )
+    assert out[:, :2].isnan().all() and out[:, -1].isnan().all()  # only its own columns
+    return out[:, 2:-1]

@@ -15,7 +15,16 @@ import pytest
 import torch
 
 from guardrail.probe import fused_stats
-from tests.fused_cases import CASES, fused, paged_case, torch_path
+from guardrail.probe.kv_layout import flash_attn_key_view
+from tests.fused_cases import (
+    CASES,
+    fused,
+    fused_layers,
+    layers_case,
+    paged_case,
+    per_layer,
+    torch_path,
+)
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed (the CPU build of vLLM has none)", allow_module_level=True)
@@ -63,3 +72,57 @@ def test_strided_row_vectors_are_refused():
     strided = torch.stack([token_rows, token_rows], 1)[:, 0]
     with pytest.raises(ValueError, match="contiguous"):
         fused(cache, query, strided, *rest, scale=0.25)
+
+
+# -- every layer in one launch -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_one_launch_over_every_layer_equals_the_kernel_per_layer(name, softcap):
+    """Three layers' caches (separate tensors at unrelated addresses), different heads per
+    layer over shared kv heads (GQA), rows of mixed lengths: the multi-layer kernel runs the
+    same program per (row, head) as the one-layer kernel, so the values are the same bits; both
+    equal the PyTorch path."""
+    lengths, spans = CASES[name]
+    case = layers_case(lengths, spans)
+    kw = {"scale": 0.25, "softcap": softcap}
+    got = fused_layers(*case, **kw)
+    assert torch.equal(got, per_layer(fused, *case, **kw))
+    torch.testing.assert_close(got, per_layer(torch_path, *case, **kw), rtol=2e-5, atol=2e-6)
+
+
+def test_one_launch_reads_bfloat16_caches_and_queries():
+    lengths, spans = CASES["mixed lengths over several blocks"]
+    caches, queries, *rest = layers_case(lengths, spans, dim=64, block=32, seed=1)
+    case = ([c.bfloat16() for c in caches], [q.bfloat16() for q in queries], *rest)
+    kw = {"scale": 0.125}
+    torch.testing.assert_close(
+        fused_layers(*case, **kw), per_layer(torch_path, *case, **kw), rtol=2e-5, atol=2e-6
+    )
+
+
+def test_each_layer_is_read_from_its_own_cache():
+    """The layers' offsets are what select their caches: offsets naming another layer's cache
+    give other stats (so the equality above depends on them)."""
+    lengths, spans = CASES["mixed lengths over several blocks"]
+    case = layers_case(lengths, spans)
+    views = [flash_attn_key_view(cache) for cache in case[0]]
+    right = fused_stats.key_offsets(views)
+    expected = per_layer(fused, *case, scale=0.25)
+    for wrong in ([0, 0, 0], [right[0], right[2], right[1]]):
+        got = fused_layers(*case, offsets=wrong, scale=0.25)
+        assert not torch.allclose(got, expected)
+        assert torch.equal(got[:, :4], expected[:, :4])  # the first layer's heads: offset 0
+
+
+def test_key_offsets_refuse_views_of_another_geometry():
+    caches = [torch.zeros(6, 2, 16, 32) for _ in range(3)]
+    caches[2] = caches[2].transpose(1, 2).contiguous().transpose(1, 2)  # head-major storage
+    views = [flash_attn_key_view(cache) for cache in caches]
+    offsets = fused_stats.key_offsets(views)
+    assert offsets[0] == 0
+    assert offsets[1] == (views[1].data_ptr() - views[0].data_ptr()) // 4
+    assert offsets[2] is None
+    assert fused_stats.key_offsets([views[0], views[1].bfloat16()])[1] is None
+    assert fused_stats.key_offsets([views[0], views[1][:, :8]])[1] is None

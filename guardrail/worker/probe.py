@@ -1,4 +1,4 @@
-"""The attention probe inside vLLM's worker: plan each step, score each hooked layer, store.
+"""The attention probe inside vLLM's worker: plan each step, score the hooked layers, store.
 
 The probe wraps each hooked layer's attention *implementation* (``Attention.impl.forward``),
 which vLLM calls as plain Python even in its compiled mode (attention is the splitting op between
@@ -22,7 +22,7 @@ probe's step plan and rows (``guardrail.worker.hidden``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,13 @@ import torch
 
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.device_focus import DeviceFocus
-from guardrail.probe.fused_stats import fused_available, span_stats_into
+from guardrail.probe.fused_stats import (
+    column_table,
+    fused_available,
+    key_offsets,
+    span_stats_into,
+    span_stats_layers_into,
+)
 from guardrail.probe.kv_layout import KeyGather, KeyView, key_gather_for, key_view_for
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, batched_logits, stats_from_logits
 from guardrail.protocol import (
@@ -87,6 +93,36 @@ class Layer:
     original_forward: Any
     had_instance_forward: bool
     column: int = 0  # where its heads start in the step's table of this rank's heads
+    host_heads: list[int] = field(default_factory=list)  # ``local_heads`` on the host
+    host_kv_heads: list[int] = field(default_factory=list)  # ``kv_heads`` on the host
+    # fused kernel: the layer's place in the step's query stash while its group's one kernel
+    # scores it (-1: its own kernel, as it runs), the KV cache it ran on and that cache's
+    # address, and its queries' (shape of a token, dtype)
+    slot: int = -1
+    cache: torch.Tensor | None = None
+    cache_ptr: int = 0
+    query_form: tuple[Any, ...] = ()
+
+
+@dataclass
+class LayerGroup:
+    """Hooked layers whose stats one kernel computes at the end of each step (fused kernel): the
+    layers share scale, softcap, query form and their key views' geometry, so the kernel reads
+    each layer's keys at an element offset from the first's (``fused_stats.key_offsets``)."""
+
+    layers: list[Layer]  # its members, each with its stash slot
+    slots: int  # the stash's layers (a layer that left keeps its slot, unused)
+    keys: torch.Tensor  # the first member's key view
+    offsets: torch.Tensor  # [slots] int64: each slot's keys from ``keys``, in elements
+    columns: torch.Tensor  # [4, columns] int64: ``fused_stats.column_table`` of the members
+    scale: float
+    softcap: float | None
+    query_form: tuple[Any, ...]  # the members' queries: (shape of one token, dtype)
+
+
+def _kernel_form(layer: Layer) -> tuple[Any, ...]:
+    """What layers must share to be scored by one kernel, besides their key views' geometry."""
+    return float(layer.impl.scale), layer.impl.logits_soft_cap or None, layer.query_form
 
 
 @dataclass
@@ -107,17 +143,25 @@ class ProbeSettings:
     tp_size: int = 1
     pp_size: int = 1
     device: Any = "cpu"
-    fused: bool = False  # one Triton kernel per layer (``guardrail.probe.fused_stats``)
+    fused: bool = False  # Triton kernels (``guardrail.probe.fused_stats``): one launch per step
 
 
 class Probe:
     """Probe state of one worker: hooked layers, the current step's rows, finished results.
 
     Per step: ``plan`` (first hooked layer: host facts, device tensors), ``score_layer`` per
-    hooked attention layer (a few kernels for all rows and heads), ``HiddenReader.read`` per
-    read decoder layer, ``finish_step`` after the last (focus and stops on the device, one
-    non-blocking copy, into ``store``). ``pop`` hands results to the caller, waiting for those
-    copies (``guardrail.worker.results``).
+    hooked attention layer, ``HiddenReader.read`` per read decoder layer, ``finish_step`` after
+    the last (the stats, focus and stops on the device, one non-blocking copy, into ``store``).
+    ``pop`` hands results to the caller, waiting for those copies (``guardrail.worker.results``).
+
+    What ``score_layer`` does depends on the path. PyTorch: a few kernels for the layer's
+    logits, whose stats ``finish_step`` computes for all layers at once. Fused kernel
+    (``guardrail.probe.fused_stats``): in the first step that scores rows, each layer runs its
+    own kernel and records its KV cache; ``finish_step`` then groups the layers one kernel can
+    score together (``LayerGroup``: normally all). From then on a grouped layer only copies its
+    queries of the scored rows into the step's stash (one ``index_select``), and ``finish_step``
+    computes every grouped layer's stats in one launch, while every layer's keys are still in
+    its cache; a layer left out of the group keeps its own kernel.
     """
 
     def __init__(
@@ -138,6 +182,10 @@ class Probe:
         self.needs_data_slots = False  # a hidden reader averages over the data tokens
         self.gather: KeyGather = _no_gather
         self.key_view: KeyView | None = None  # the cache's keys by strides (fused kernel)
+        self.group: LayerGroup | None = None  # fused: the layers of the step's one kernel
+        self.group_tried = False  # fused: the group was formed (or could not be) ...
+        self.group_error: str | None = None  # ... and why not (each layer keeps its kernel)
+        self.caches_moved = False  # a grouped layer's cache has a new address: new offsets
         self.columns = 0  # this rank's heads over all hooked layers: the stats table's width
         # internal request id -> probe key while the request still waits for its score, else None
         self.pending: dict[str, str | None] = {}
@@ -236,10 +284,22 @@ class Probe:
             if self.needs_data_slots:  # the memo is read through the block table: check it
                 check_slots(self.rows, metadata.slot_mapping)
             if self.settings.fused and self.rows.scored:
-                self.rows.stats = torch.empty(
-                    self.rows.scored, self.columns, WIDTH, dtype=torch.float32, device=self.device
-                )
+                self._fused_buffers(self.rows)
         return self.rows
+
+    def _fused_buffers(self, rows: StepRows) -> None:
+        """The step's stats table and, once the layers are grouped, the query stash."""
+        rows.stats = torch.empty(
+            rows.scored, self.columns, WIDTH, dtype=torch.float32, device=self.device
+        )
+        group = self.group
+        if group is not None:
+            assert rows.token_rows is not None
+            shape, dtype = group.query_form
+            queries = torch.empty(
+                (group.slots, rows.scored, *shape), dtype=dtype, device=self.device
+            )
+            rows.stash = (rows.token_rows, queries)
 
     # -- per layer -----------------------------------------------------------------------------
     def score_layer(
@@ -253,21 +313,25 @@ class Probe:
         rows = self.rows
         if not rows.scored:
             return
+        stash = rows.stash
+        if stash is not None and layer.slot >= 0:  # the group's kernel reads it at the end
+            if layer.index == self.first_layer:
+                self._check_layout(rows, query, key, kv_cache)
+            if kv_cache.data_ptr() != layer.cache_ptr:  # not seen in vLLM: caches stay put
+                layer.cache, self.caches_moved = kv_cache, True
+            torch.index_select(query, 0, stash[0], out=stash[1][layer.slot])
+            return
         assert rows.token_column is not None and rows.head_slots is not None
-        assert rows.token_rows is not None and rows.last_slots is not None
         tokens, heads = rows.head_slots.shape[2], len(layer.global_heads)
         if not heads:  # hooked only to finish in step with the other ranks
             rows.logits.append(query.new_zeros((rows.scored, 0, tokens), dtype=torch.float32))
             return
         dim = query.shape[-1]
         if layer.index == self.first_layer:
-            computed = key.view(key.shape[0], -1, dim).index_select(0, rows.token_rows)
-            cached = self.gather(kv_cache, rows.last_slots)
-            close = torch.isclose(cached.float(), computed.float(), rtol=1e-3, atol=1e-3)
-            rows.flag(LAYOUT, ~close.flatten(1).all(1))
+            self._check_layout(rows, query, key, kv_cache)
         queries = query.view(query.shape[0], -1, dim)  # [tokens, heads, dim]
         if rows.stats is not None:
-            self._fused_layer(layer, queries, kv_cache)
+            self._fused_layer(layer, query, kv_cache)
             return
         # one gather each: the scored heads' queries [K, h, dim], their keys [K, h, T, dim]
         q = queries[rows.token_column, layer.local_heads]
@@ -281,17 +345,31 @@ class Probe:
             )
         rows.logits.append(parts[0] if len(parts) == 1 else torch.cat(parts))
 
+    def _check_layout(
+        self, rows: StepRows, query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor
+    ) -> None:
+        """Flag the rows whose cached key of the last prompt token is not the key the layer
+        computed (the first hooked layer, every step)."""
+        assert rows.token_rows is not None and rows.last_slots is not None
+        dim = query.shape[-1]
+        computed = key.view(key.shape[0], -1, dim).index_select(0, rows.token_rows)
+        cached = self.gather(kv_cache, rows.last_slots)
+        close = torch.isclose(cached.float(), computed.float(), rtol=1e-3, atol=1e-3)
+        rows.flag(LAYOUT, ~close.flatten(1).all(1))
+
     def _fused_layer(self, layer: Layer, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """This layer's stats for every scored row and head, in one kernel, into the step's
-        table (``rows.stats``, at the layer's columns)."""
+        table (``rows.stats``, at the layer's columns). Records the cache and the queries' form
+        for grouping (``_form_group``)."""
         rows = self.rows
+        layer.cache, layer.query_form = kv_cache, (tuple(query.shape[1:]), query.dtype)
         assert self.key_view is not None and rows.stats is not None
         assert rows.token_rows is not None and rows.slots is not None
         assert rows.lengths is not None and rows.instruction is not None and rows.data is not None
         span_stats_into(
             rows.stats,
             layer.column,
-            query,
+            query.view(query.shape[0], -1, query.shape[-1]),
             rows.token_rows,
             layer.local_heads,
             layer.kv_heads[:, 0],
@@ -342,6 +420,8 @@ class Probe:
         else:
             host = torch.empty(0, 0, dtype=torch.float64)
         self.store.add(FinishedStep(rows, host, buffer, event, columns, self.probe_seconds))
+        if rows.stats is not None and not self.group_tried:
+            self._form_group()
 
     def pop(self, keys: list[str]) -> dict[str, ProbeResultData]:
         """Remove and return the stored results of ``keys`` (missing keys are absent)."""
@@ -351,7 +431,9 @@ class Probe:
         """The step's results as device tensors by name, and the focus (None: no stops)."""
         assert rows.flags is not None and rows.valid is not None
         assert rows.instruction is not None and rows.data is not None
-        if rows.stats is not None:  # the fused kernel wrote it layer by layer
+        if rows.stats is not None:  # the fused kernels: the group's now, the others' already
+            if rows.stash is not None:
+                self._group_stats(rows, rows.stats, rows.stash[1])
             stats = rows.stats
         else:
             logits = torch.cat(rows.logits, dim=1)  # [K, local heads of every layer, T]
@@ -374,6 +456,84 @@ class Probe:
             table["focus"] = focus
         table["flags"] = flags
         return table, focus
+
+    # -- fused kernel: one launch per step for the grouped layers ---------------------------------
+    def _form_group(self) -> None:
+        """After the first step in which every layer with heads ran its own kernel (so recorded
+        its cache): group those one kernel can score with the first (``LayerGroup``); the
+        others keep their own kernel. Never raises (without a group, each layer keeps its own)."""
+        candidates = [layer for layer in self.layers.values() if layer.global_heads]
+        if any(layer.cache is None for layer in candidates):
+            return  # a layer failed before its kernel ran: try after the next step
+        self.group_tried = True
+        if not candidates:  # tensor parallelism: this rank holds none of the heads
+            return
+        try:
+            for slot, layer in enumerate(candidates):
+                layer.slot = slot
+            self._regroup(candidates, len(candidates))
+        except Exception as exc:  # the per-layer kernels stay: same results, more host time
+            self.group, self.group_error = None, f"{type(exc).__name__}: {exc}"
+            for layer in candidates:
+                layer.slot = -1
+
+    def _regroup(self, candidates: list[Layer], slots: int) -> list[tuple[Layer, int]]:
+        """Make ``candidates`` (each with its stash slot) the group, less those whose key view
+        or kernel form differs from the first's: they leave it (slot -1) and are returned with
+        the slot they had. The tables reach the device in one copy, without a synchronisation."""
+        assert self.key_view is not None
+        views = [self.key_view(layer.cache) for layer in candidates if layer.cache is not None]
+        offsets = key_offsets(views)
+        form = _kernel_form(candidates[0])
+        packed = np.zeros(slots, dtype=np.int64)
+        members, left = [], []
+        for layer, offset in zip(candidates, offsets, strict=True):
+            if offset is None or _kernel_form(layer) != form or len(layer.query_form[0]) != 2:
+                left.append((layer, layer.slot))
+                layer.slot = -1
+                continue
+            packed[layer.slot] = offset
+            members.append(layer)
+        table = column_table(
+            [(lay.slot, lay.host_heads, lay.host_kv_heads, lay.column) for lay in members]
+        )
+        values = self.staging.to_device(np.concatenate([packed, table.ravel()]))
+        scale, softcap, query_form = form
+        columns = values[slots:].view(4, table.shape[1])
+        self.group = LayerGroup(
+            members, slots, views[0], values[:slots], columns, scale, softcap, query_form
+        )
+        for layer in members:
+            assert layer.cache is not None
+            layer.cache_ptr = layer.cache.data_ptr()
+        return left
+
+    def _group_stats(self, rows: StepRows, stats: torch.Tensor, queries: torch.Tensor) -> None:
+        """Every grouped layer's stats of the step, in one kernel, into ``stats``. Should a
+        grouped layer's cache have moved (never seen: vLLM allocates the caches once), the
+        offsets are rebuilt first; a layer that no longer fits is scored alone from the stash."""
+        group = self.group
+        assert group is not None and self.key_view is not None
+        assert rows.slots is not None and rows.lengths is not None
+        assert rows.instruction is not None and rows.data is not None
+        masks = (rows.slots, rows.lengths, rows.instruction, rows.data)
+        if self.caches_moved:
+            self.caches_moved = False
+            for layer, slot in self._regroup(group.layers, group.slots):
+                assert layer.cache is not None
+                scale, softcap, _ = _kernel_form(layer)
+                token_rows = torch.arange(rows.scored, device=stats.device)
+                heads = (layer.local_heads, layer.kv_heads[:, 0], self.key_view(layer.cache))
+                span_stats_into(
+                    stats, layer.column, queries[slot], token_rows, *heads, *masks,
+                    scale, softcap,
+                )  # fmt: skip
+            group = self.group
+            assert group is not None
+        span_stats_layers_into(
+            stats, queries, group.columns, group.keys, group.offsets, *masks,
+            group.scale, group.softcap,
+        )  # fmt: skip
 
     def _combine_ranks(
         self, stats: torch.Tensor, flags: torch.Tensor
@@ -530,7 +690,8 @@ def install_probe(
     for layer_index, global_heads in sorted(by_layer.items()):
         module = attention_layers[layer_index]
         local_kv = int(getattr(module.impl, "num_kv_heads", info["num_kv_heads"]))
-        local_heads = torch.tensor([h - lo for h in global_heads], dtype=torch.long)
+        host_heads = [h - lo for h in global_heads]
+        local_heads = torch.tensor(host_heads, dtype=torch.long)
         layer = Layer(
             layer_index,
             local_heads.to(runner.device),
@@ -542,6 +703,8 @@ def install_probe(
             module.impl,
             module.impl.forward,
             "forward" in vars(module.impl),
+            host_heads=host_heads,
+            host_kv_heads=[h // (per_rank // local_kv) for h in host_heads],
         )
         module.impl.forward = make_probe_forward(probe, layer, runner)
         probe.layers[layer_index] = layer
@@ -586,7 +749,9 @@ def _no_full_graph_while_scoring(probe: Probe, runner: Any) -> None:
 
 def uninstall_probe(probe: Probe) -> None:
     """Put every wrapped ``impl.forward`` back: the engine runs exactly as before."""
+    probe.group = None  # drops its references to the KV caches
     for layer in probe.layers.values():
+        layer.cache = None
         if layer.had_instance_forward:
             layer.impl.forward = layer.original_forward
         else:

@@ -1,4 +1,6 @@
-"""The fused probe kernel against the PyTorch path it replaces, on the same paged cache.
+"""The fused probe kernels against the PyTorch path they replace, on the same paged caches:
+one layer per launch, every layer in one launch, and the worker's probe grouping its layers
+into that one launch.
 
 On CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``): the same program,
 executed with numpy, so its arithmetic is checked wherever Triton is installed. The CPU build of
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from guardrail.probe import fused_stats
 from guardrail.probe.kv_layout import flash_attn_key_view
 from tests.fused_cases import (
     CASES,
+    LAYER_HEADS,
     fused,
     fused_layers,
     layers_case,
@@ -126,3 +130,133 @@ def test_key_offsets_refuse_views_of_another_geometry():
     assert offsets[2] is None
     assert fused_stats.key_offsets([views[0], views[1].bfloat16()])[1] is None
     assert fused_stats.key_offsets([views[0], views[1][:, :8]])[1] is None
+
+
+# -- the worker's probe: its layers grouped into the step's one launch ---------------------------
+
+LAYER_INDICES = (2, 5, 9)
+
+
+def fused_probe(softcaps=(None, None, None)):
+    """A probe over three hooked layers with the fused kernel on (as on a GPU), FlashAttention's
+    cache layout; the layers' ``impl`` carries only what the probe reads from vLLM's."""
+    from guardrail.probe.kv_layout import flash_attn_keys
+    from guardrail.worker.probe import Layer, Probe, ProbeSettings
+
+    heads = [(i, h) for i, scored in zip(LAYER_INDICES, LAYER_HEADS, strict=True) for h in scored]
+    probe = Probe(heads, set(), ProbeSettings(block_size=16, fused=True), None)
+    probe.gather, probe.key_view = flash_attn_keys, flash_attn_key_view
+    for index, scored, softcap in zip(LAYER_INDICES, LAYER_HEADS, softcaps, strict=True):
+        local = torch.tensor(scored)
+        impl = SimpleNamespace(scale=0.25, logits_soft_cap=softcap)
+        kv = [h // 4 for h in scored]
+        layer = Layer(index, local, torch.tensor(kv)[:, None], list(scored), impl, None, False,
+                      host_heads=list(scored), host_kv_heads=kv)  # fmt: skip
+        probe.layers[index] = layer
+    probe.first_layer, probe.last_layer = LAYER_INDICES[0], LAYER_INDICES[-1]
+    probe.ready()
+    return probe
+
+
+def run_step(probe, caches, queries, token_rows, slots, valid, instruction, data):
+    """One engine step as vLLM drives the probe: its rows (as ``plan`` builds them), each hooked
+    layer's wrapper in order, then ``finish_step``. Returns the step's rows, stats filled in."""
+    from guardrail.worker.rows import FLAG_MESSAGES, StepRows
+
+    n = len(token_rows)
+    rows = StepRows(
+        keys=[f"r{i}" for i in range(n)], batch_index=list(range(n)),
+        num_prompt_tokens=valid.sum(1).tolist(), errors=[None] * n, reasons=[None] * n,
+        stop_below=[None] * n, stop_on_error=[True] * n, stop_token=[None] * n,
+        has_data=data.any(1).tolist(), ok=list(range(n)),
+    )  # fmt: skip
+    rows.token_rows, rows.token_column = token_rows, token_rows[:, None]
+    rows.valid, rows.instruction, rows.data, rows.lengths = valid, instruction, data, valid.sum(1)
+    rows.slots, rows.head_slots = slots, slots[:, None, :]
+    rows.last_slots = slots.gather(1, (rows.lengths - 1)[:, None])[:, 0]
+    rows.flags = torch.zeros(n, len(FLAG_MESSAGES), dtype=torch.bool)
+    probe.rows = rows
+    probe._fused_buffers(rows)
+    for layer, cache, query in zip(probe.layers.values(), caches, queries, strict=True):
+        key = torch.zeros(query.shape[0], cache.shape[1], query.shape[2])  # the layer's new keys
+        key[token_rows] = probe.gather(cache, rows.last_slots)
+        probe.score_layer(layer, query, cache, key)
+    probe.finish_step()
+    assert rows.errors == [None] * n and not rows.flags.any()
+    return rows
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """How often each launch ran (the real functions run)."""
+    from guardrail.worker import probe as worker_probe
+
+    counts = {"per layer": 0, "every layer": 0}
+    for name, label in (
+        ("span_stats_into", "per layer"),
+        ("span_stats_layers_into", "every layer"),
+    ):
+        real = getattr(worker_probe, name)
+
+        def counted(*args, _real=real, _label=label, **kwargs):
+            counts[_label] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(worker_probe, name, counted)
+    return counts
+
+
+def test_the_probe_scores_every_layer_in_one_launch_from_its_second_step(launches):
+    lengths, spans = CASES["mixed lengths over several blocks"]
+    caches, queries, heads, kv_heads, *masks = layers_case(lengths, spans)
+    probe = fused_probe()
+    first = run_step(probe, caches, queries, *masks)  # each layer its kernel; records its cache
+    assert launches == {"per layer": 3, "every layer": 0} and first.stash is None
+    assert probe.group is not None and [lay.index for lay in probe.group.layers] == [2, 5, 9]
+    second = run_step(probe, caches, queries, *masks)
+    assert launches == {"per layer": 3, "every layer": 1} and second.stash is not None
+    assert torch.equal(second.stats, first.stats)
+    expected = per_layer(torch_path, caches, queries, heads, kv_heads, *masks, scale=0.25)
+    torch.testing.assert_close(second.stats, expected, rtol=2e-5, atol=2e-6)
+
+
+def test_a_layer_with_another_softcap_keeps_its_own_kernel(launches):
+    lengths, spans = CASES["a row without data, a row with one data token"]
+    caches, queries, heads, kv_heads, *masks = layers_case(lengths, spans)
+    probe = fused_probe(softcaps=(None, 5.0, None))
+    run_step(probe, caches, queries, *masks)
+    assert probe.group is not None and [lay.index for lay in probe.group.layers] == [2, 9]
+    rows = run_step(probe, caches, queries, *masks)
+    assert launches == {"per layer": 4, "every layer": 1}
+    expected = torch.cat(
+        [
+            torch_path(c, q, masks[0], h, k, *masks[1:], scale=0.25, softcap=softcap)
+            for c, q, h, k, softcap in zip(
+                caches, queries, heads, kv_heads, (None, 5.0, None), strict=True
+            )
+        ],
+        dim=1,
+    )
+    torch.testing.assert_close(rows.stats, expected, rtol=2e-5, atol=2e-6)
+
+
+def test_a_cache_at_a_new_address_is_followed(launches):
+    """Should vLLM hand a grouped layer another cache tensor, the group reads it there: same
+    geometry, new offset; another stride order, that layer leaves the group and is scored on
+    its own, from the queries it stashed, the same step."""
+    lengths, spans = CASES["the data at the start (sink inside the data)"]
+    caches, queries, _, _, *masks = layers_case(lengths, spans)
+    probe = fused_probe()
+    expected = run_step(probe, caches, queries, *masks).stats
+    moved = [caches[0], caches[1], caches[2].clone()]
+    caches[2].zero_()  # what a read at the old address would find
+    assert torch.equal(run_step(probe, moved, queries, *masks).stats, expected)
+    assert launches == {"per layer": 3, "every layer": 1}
+    head_major = caches[1].transpose(1, 2).contiguous().transpose(1, 2)
+    caches[1].zero_()
+    relaid = [caches[0], head_major, moved[2]]
+    assert torch.equal(run_step(probe, relaid, queries, *masks).stats, expected)
+    assert launches == {"per layer": 4, "every layer": 2}
+    assert probe.group is not None and [lay.index for lay in probe.group.layers] == [2, 9]
+    assert torch.equal(run_step(probe, relaid, queries, *masks).stats, expected)
+    assert launches == {"per layer": 5, "every layer": 3}

@@ -1,6 +1,12 @@
 """A Hermes-style chat template that renders tools, tool calls and tool results (as Qwen2.5's
 and Hermes 2 Pro's do, in short), for the tiny models' tokenizers, whose own template has no
-tools; vLLM's ``hermes`` tool parser reads the ``<tool_call>`` blocks it asks for."""
+tools; vLLM's ``hermes`` tool parser reads the ``<tool_call>`` blocks it asks for.
+
+``SERVED_TEMPLATE`` is the shared test server's: Hermes when a request has tools, the tiny
+models' own ChatML otherwise, so a request without tools renders to the same token ids as on the
+tiny model itself (the offline engine's references stay valid for the server's answers)."""
+
+from guardrail.testing.tiny_models import CHATML_TEMPLATE
 
 HERMES_TEMPLATE = (
     "{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}"
@@ -19,6 +25,10 @@ HERMES_TEMPLATE = (
     "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+SERVED_TEMPLATE = (
+    "{%- if tools %}" + HERMES_TEMPLATE + "{%- else %}" + CHATML_TEMPLATE + "{%- endif %}"
 )
 
 TOOL = {

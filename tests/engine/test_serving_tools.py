@@ -1,6 +1,8 @@
-"""Tools through the guarded server: a tiny Llama whose chat template renders tools
-(``tests/tool_templates.HERMES_TEMPLATE``), served with ``--enable-auto-tool-choice
---tool-call-parser hermes``, driven by the real ``openai`` client.
+"""Tools through the guarded server: the session's server (``served`` in tests/conftest.py,
+shared with test_serving.py), whose tiny Llama renders tools with a Hermes-style template
+(``tests/tool_templates.SERVED_TEMPLATE``) and which runs with ``--enable-auto-tool-choice
+--tool-call-parser hermes``, driven by the real ``openai`` client. Requests pick the server's
+``flag_only`` policy set (a verdict on every answer, none blocked) unless a test says otherwise.
 
 The tiny random model never writes a ``<tool_call>`` itself, so one test puts that text in the
 guarded stream (the verdict and the tokens stay the engine's) to show the server's answer has
@@ -11,73 +13,41 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from fastapi import FastAPI
-from guardrail.integrations._openai_tools import ToolCalling, normalised_tools
-from guardrail.integrations.serving import build_app, parse_command
-from prometheus_client import CollectorRegistry
+from guardrail.integrations._openai_tools import normalised_tools
+from guardrail.integrations.serving import parse_command
 
-from guardrail.guard.async_guarded import AsyncGuardedLLM
-from guardrail.metrics.recorder import GuardrailMetrics
-from guardrail.policy import load_policies
 from guardrail.probe.prompts import ChatWithTools, prepare_prompt
-from tests.helpers import start_async_engine, uvicorn_in_thread
-from tests.tool_templates import HERMES_TEMPLATE, TOOL
+from tests.tool_templates import TOOL
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def hermes_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with a chat template that renders tools."""
-    model = tmp_path_factory.mktemp("tiny-llama-tools")
-    shutil.copytree(tiny_llama_dir, model, dirs_exist_ok=True)
-    (model / "chat_template.jinja").write_text(HERMES_TEMPLATE)
-    return model
-
-
-@pytest.fixture(scope="module")
-def served(hermes_dir: Path) -> Iterator[tuple[str, FastAPI]]:
-    """The server's base URL and its app: flags only (a verdict on every answer, none
-    blocked), or blocks everything with ``x-guardrail-policies: block_all``."""
-
-    async def start() -> AsyncGuardedLLM:
-        engine = await start_async_engine(hermes_dir, max_model_len=2048)
-        flag = [{"name": "flag", "threshold": 0.5, "action": "flag"}]
-        return AsyncGuardedLLM(
-            engine, flag, metrics=GuardrailMetrics(CollectorRegistry()), owns_engine=True
-        )
-
-    app = build_app(
-        start,
-        served_model_name="tiny",
-        default_max_tokens=4,
-        policy_sets={"block_all": load_policies([{"threshold": 1.0}], None)},
-        tool_calling=ToolCalling(enable_auto_tool_choice=True, tool_call_parser="hermes"),
-    )
-    with uvicorn_in_thread(app, start_timeout=600) as base:
-        yield base, app
-
-
-@pytest.fixture(scope="module")
 def client(served: tuple[str, FastAPI]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=f"{served[0]}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        default_headers={"x-guardrail-policies": "flag_only"},
+    )
 
 
-def _prepared(hermes_dir: Path, request: Any) -> Any:
+def _prepared(model_dir: Path, request: Any) -> Any:
     """The request as the guard renders it, on the served model's own tokenizer."""
     from transformers import AutoTokenizer
 
-    return prepare_prompt(request, AutoTokenizer.from_pretrained(str(hermes_dir)))
+    return prepare_prompt(request, AutoTokenizer.from_pretrained(str(model_dir)))
 
 
-def test_the_tools_reach_the_template(client: openai.OpenAI, hermes_dir: Path) -> None:
+def test_the_tools_reach_the_template(client: openai.OpenAI, served_model_dir: Path) -> None:
     answer = client.chat.completions.create(
         model="tiny", messages=MESSAGES, tools=[TOOL], max_tokens=4, temperature=0
     )
@@ -85,12 +55,12 @@ def test_the_tools_reach_the_template(client: openai.OpenAI, hermes_dir: Path) -
         model="tiny", messages=MESSAGES, max_tokens=4, temperature=0
     )
     tools = normalised_tools([TOOL])  # as vLLM's request model hands them to the template
-    prepared = _prepared(hermes_dir, ChatWithTools(messages=MESSAGES, tools=tools))
+    prepared = _prepared(served_model_dir, ChatWithTools(messages=MESSAGES, tools=tools))
     assert '"name": "get_weather"' in prepared.text  # the tool, as the template renders it
     verdict = answer.model_extra["guardrail"]
     assert answer.usage.prompt_tokens == len(prepared.token_ids)  # the engine ran that prompt
     assert [tuple(s) for s in verdict["instruction_spans"]] == prepared.instruction_spans
-    assert plain.usage.prompt_tokens == len(_prepared(hermes_dir, MESSAGES).token_ids)
+    assert plain.usage.prompt_tokens == len(_prepared(served_model_dir, MESSAGES).token_ids)
     assert plain.usage.prompt_tokens < len(prepared.token_ids)
     assert answer.choices[0].finish_reason in ("length", "stop")  # no call in random text
     assert verdict["action"] in ("allow", "flag")

@@ -3,11 +3,14 @@ under Triton's interpreter, GPU tests compiled)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from guardrail.probe import fused_stats
 from guardrail.probe.kv_layout import flash_attn_key_view, flash_attn_keys
 from guardrail.probe.scoring import batched_logits, stats_from_logits
+from guardrail.worker.rows import FLAG_MESSAGES, StepRows
 
 CASES = {
     # lengths, (instruction spans, data spans) per row
@@ -163,3 +166,53 @@ def fused_layers(caches, queries, heads, kv_heads, token_rows, slots, valid, ins
     )
     assert out[:, :2].isnan().all() and out[:, -1].isnan().all()  # only its own columns
     return out[:, 2:-1]
+
+
+LAYER_INDICES = (2, 5, 9)
+
+
+def fused_probe(softcaps=(None, None, None), device="cpu"):
+    """A probe over three hooked layers with the fused kernel on (as on a GPU), FlashAttention's
+    cache layout; the layers' ``impl`` carries only what the probe reads from vLLM's."""
+    from guardrail.worker.probe import Layer, Probe, ProbeSettings
+
+    heads = [(i, h) for i, scored in zip(LAYER_INDICES, LAYER_HEADS, strict=True) for h in scored]
+    probe = Probe(heads, set(), ProbeSettings(block_size=16, device=device, fused=True), None)
+    probe.gather, probe.key_view = flash_attn_keys, flash_attn_key_view
+    for index, scored, softcap in zip(LAYER_INDICES, LAYER_HEADS, softcaps, strict=True):
+        local = torch.tensor(scored, device=device)
+        impl = SimpleNamespace(scale=0.25, logits_soft_cap=softcap)
+        kv = [h // 4 for h in scored]
+        kv_column = torch.tensor(kv, device=device)[:, None]
+        layer = Layer(index, local, kv_column, list(scored), impl, None, False,
+                      host_heads=list(scored), host_kv_heads=kv)  # fmt: skip
+        probe.layers[index] = layer
+    probe.first_layer, probe.last_layer = LAYER_INDICES[0], LAYER_INDICES[-1]
+    probe.ready()
+    return probe
+
+
+def run_step(probe, caches, queries, token_rows, slots, valid, instruction, data):
+    """One engine step as vLLM drives the probe: its rows (as ``plan`` builds them), each hooked
+    layer's wrapper in order, then ``finish_step``. Returns the step's rows, stats filled in."""
+    n = len(token_rows)
+    rows = StepRows(
+        keys=[f"r{i}" for i in range(n)], batch_index=list(range(n)),
+        num_prompt_tokens=valid.sum(1).tolist(), errors=[None] * n, reasons=[None] * n,
+        stop_below=[None] * n, stop_on_error=[True] * n, stop_token=[None] * n,
+        has_data=data.any(1).tolist(), ok=list(range(n)),
+    )  # fmt: skip
+    rows.token_rows, rows.token_column = token_rows, token_rows[:, None]
+    rows.valid, rows.instruction, rows.data, rows.lengths = valid, instruction, data, valid.sum(1)
+    rows.slots, rows.head_slots = slots, slots[:, None, :]
+    rows.last_slots = slots.gather(1, (rows.lengths - 1)[:, None])[:, 0]
+    rows.flags = torch.zeros(n, len(FLAG_MESSAGES), dtype=torch.bool, device=valid.device)
+    probe.rows = rows
+    probe._fused_buffers(rows)
+    for layer, cache, query in zip(probe.layers.values(), caches, queries, strict=True):
+        key = query.new_zeros(query.shape[0], cache.shape[1], query.shape[2])  # new keys
+        key[token_rows] = probe.gather(cache, rows.last_slots)
+        probe.score_layer(layer, query, cache, key)
+    probe.finish_step()
+    assert rows.errors == [None] * n and not rows.flags.any()
+    return rows

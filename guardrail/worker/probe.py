@@ -317,7 +317,9 @@ class Probe:
         if stash is not None and layer.slot >= 0:  # the group's kernel reads it at the end
             if layer.index == self.first_layer:
                 self._check_layout(rows, query, key, kv_cache)
-            if kv_cache.data_ptr() != layer.cache_ptr:  # not seen in vLLM: caches stay put
+            # vLLM allocates each layer's cache once, its strides with it: a cache tensor at a
+            # new address is the one change to look for (never seen; regrouped at the end)
+            if kv_cache.data_ptr() != layer.cache_ptr:
                 layer.cache, self.caches_moved = kv_cache, True
             torch.index_select(query, 0, stash[0], out=stash[1][layer.slot])
             return

@@ -4,12 +4,14 @@
 # output folder) or ./gpu-out. Each step fits one call of at most 10 minutes; run them back to
 # back (an idle machine is taken back after 30 s).
 #
-#   bash benchmarks/gpu_steps.sh tests|bench1b|bench8b|profile|ab|serve
+#   bash benchmarks/gpu_steps.sh tests|bench1b|bench8b|profile|ab|serve|calibrate1b|calibrate8b
 #
 # ab: the same engine's caller settings side by side: each render group enqueued as it is
 # rendered (the default) against everything rendered first (one-chunk).
+# calibrate1b / calibrate8b: time to a config, `guardrail calibrate` on the installed pool with a
+# dummy-weight model of that shape (its scores mean nothing: the time is what is measured).
 set -uo pipefail
-step=${1:?usage: gpu_steps.sh tests|bench1b|bench8b|profile|ab|serve}
+step=${1:?usage: gpu_steps.sh tests|bench1b|bench8b|profile|ab|serve|calibrate1b|calibrate8b}
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 . /tmp/gpu-env.sh
@@ -35,5 +37,13 @@ case $step in
   serve) python3 benchmarks/load_serving.py --model dummy-1b --device gpu --rounds 1 \
     --clients 32 64 --requests 128 --no-doc --start-timeout 200 2>&1 | quiet | tail -40
     cp benchmarks/results/load_serving_dummy-1b_gpu*.json "$out/" ;;
+  calibrate1b|calibrate8b) shape=${step#calibrate}
+    model=$(python3 -c "from pathlib import Path; from guardrail.testing.dummy_models import \
+build_dummy_model; print(build_dummy_model('$shape', Path('/tmp/guardrail-bench')))")
+    start=$(date +%s.%N)
+    python3 -m guardrail.cli calibrate --model "$model" --out "$out/calibrate_$shape" \
+      --engine-arg load_format=dummy --batch-size 64 2>&1 | quiet | tr '\r' '\n' | tail -25
+    echo "calibrate $shape: $(python3 -c "import time; print(round(time.time() - $start, 1))") s \
+wall, engine start included" | tee "$out/calibrate_$shape.time" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

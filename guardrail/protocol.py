@@ -200,4 +200,4 @@ class ModelInfo(TypedDict):
     dtype: NotRequired[str]  # the model's compute dtype, e.g. bfloat16
     hooked_layers: NotRequired[list[int]]
     hidden_layers: NotRequired[list[int]]  # decoder layers whose residual stream is read
-    probe_kernel: NotRequired[str]  # "triton": one fused kernel per layer; "torch": PyTorch ops
+    probe_kernel: NotRequired[str]  # "triton": fused kernels (one launch a step); "torch"

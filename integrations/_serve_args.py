@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from guardrail.console import HelpFormatter, StatedDefaultsFormatter
+from guardrail.errors import ConfigError
 from guardrail.version import __version__
 
 from ._server_gate import DEFAULT_MAX_BODY_BYTES
 
-__all__ = ["add_serve_arguments", "build_parser", "own_parser"]
+__all__ = ["add_serve_arguments", "build_parser", "chat_template_text", "own_parser"]
 
 PROG = "guardrail-serve"
 DESCRIPTION = (
@@ -116,6 +117,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's tool parser for the model's calls (e.g. hermes, llama3_json, mistral), "
         "as `vllm serve` (default: none)",
     )
+    own.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="the Jinja chat template that renders every request, a file or the template "
+        "itself, as `vllm serve` (e.g. one that renders tools for a model whose own does not); "
+        "the probe's spans are placed while it renders, and the model's config was calibrated "
+        "on its own template: check the threshold on your traffic (default: the model's own)",
+    )
     own.add_argument("--host", default="127.0.0.1", help="address to listen on")
     own.add_argument("--port", type=int, default=8000, help="port to listen on")
     own.add_argument("--max-tokens", type=int, default=256, help="when a request sets none")
@@ -155,3 +165,42 @@ def build_parser() -> Any:
     add_serve_arguments(parser)
     AsyncEngineArgs.add_cli_args(parser)
     return parser
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """``--chat-template``'s template: the file's text, or the value itself when it is a Jinja
+    template (as ``vllm serve`` reads it); None when not given. Checked at start-up: a missing
+    file or a template that does not parse is a ``ConfigError`` naming the flag.
+
+    Example:
+        >>> chat_template_text("{% for m in messages %}{{ m.content }}{% endfor %}")[:6]
+        '{% for'
+        >>> chat_template_text("templates/none.jinja")
+        Traceback (most recent call last):
+        ...
+        guardrail.errors.ConfigError: --chat-template 'templates/none.jinja': no such file, and \
+not a Jinja template (give a template file or the template's text)
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ConfigError(
+            f"--chat-template {value!r}: no such file, and not a Jinja template (give a "
+            "template file or the template's text)"
+        )
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # the environment transformers renders chat templates in
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as exc:
+        raise ConfigError(
+            f"--chat-template {value!r}: the template does not parse: {exc.message} "
+            f"(line {exc.lineno})"
+        ) from None
+    return text

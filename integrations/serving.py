@@ -85,7 +85,7 @@ from guardrail.probe.prompts import ChatWithTools, GuardedPrompt, Message
 from ._openai_logprobs import RequestLogprobs
 from ._openai_tools import ToolCalling, ToolCallReader
 from ._openai_wire import ChatRequest, CompletionRequest
-from ._serve_args import build_parser
+from ._serve_args import build_parser, chat_template_text
 from ._server_gate import DEFAULT_MAX_BODY_BYTES, RequestGate
 from ._server_marking import DelimitedData
 
@@ -719,6 +719,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:  # before anything starts: a model with no config is told what to run, at once
         tool_calling = ToolCalling(args.enable_auto_tool_choice, args.tool_call_parser)
+        chat_template = chat_template_text(args.chat_template)
         model = str(model_or_embedded(args.model))
         config = engine_probe_config(model, args.probe_config, engine_kwargs, announce=False)
     except GuardrailError as exc:
@@ -746,7 +747,7 @@ def main(argv: list[str] | None = None) -> None:
     registry = CollectorRegistry()
 
     async def start() -> AsyncGuardedLLM:
-        return await AsyncGuardedLLM.create(
+        guarded = await AsyncGuardedLLM.create(
             model,
             policies,
             probe_config=config,  # resolved once, above
@@ -754,6 +755,9 @@ def main(argv: list[str] | None = None) -> None:
             model_name=served_name,
             **engine_kwargs,
         )
+        if chat_template is not None:  # before any request: every render uses it
+            guarded.engine.tokenizer.chat_template = chat_template
+        return guarded
 
     app = build_app(
         start,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 CHUNK_CHARS = 512
@@ -78,19 +78,26 @@ def cuts(text: str, size: int = CHUNK_CHARS) -> list[int]:
     return points
 
 
-def chunked(encode: Callable[[str], Any], size: int = CHUNK_CHARS) -> Callable[[str], Encoding]:
+def chunked(
+    encode: Callable[[str], Any],
+    size: int = CHUNK_CHARS,
+    map_pieces: Callable[[Callable[[str], Any], list[str]], Iterable[Any]] = map,
+) -> Callable[[str], Encoding]:
     """``encode`` (one text to a ``tokenizers.Encoding``) applied to the pieces of a text cut at
-    ``cuts``, the results joined: the ids and offsets ``encode`` gives for the whole text."""
+    ``cuts``, the results joined: the ids and offsets ``encode`` gives for the whole text.
+    ``map_pieces`` maps ``encode`` over the pieces, in order (a thread pool's ``map`` encodes
+    one long text on several cores)."""
 
     def encode_in_pieces(text: str) -> Encoding:
         points = cuts(text, size)
         if not points:
             whole = encode(text)
             return whole.ids, whole.offsets
+        starts = [0, *points]
+        pieces = [text[lo:hi] for lo, hi in zip(starts, [*points, len(text)], strict=True)]
         ids: list[int] = []
         offsets: list[tuple[int, int]] = []
-        for lo, hi in zip([0, *points], [*points, len(text)], strict=True):
-            piece = encode(text[lo:hi])
+        for lo, piece in zip(starts, map_pieces(encode, pieces), strict=True):
             ids += piece.ids
             offsets += [(a + lo, b + lo) for a, b in piece.offsets] if lo else piece.offsets
         return ids, offsets

@@ -320,23 +320,27 @@ def _batch_encoder(tokenizer: Any) -> Callable[[list[str]], list[_Encoding]] | N
     A batch is encoded by a few threads of this module's own (``ENCODE_THREADS``; the backend
     releases the GIL while it encodes), never by the tokenizer's batch call, whose thread pool
     takes every core of the machine: next to a vLLM engine core that needs one to keep the GPU
-    fed, that cost more than it saved (measured on the H200, docs/gpu.md)."""
+    fed, that cost more than it saved (measured on the H200, docs/gpu.md). A batch smaller than
+    ``MIN_THREADED_BATCH`` has each long text's pieces (``chunked_encode``) encoded by those
+    threads instead: the same ids, and one long request is not left to one core."""
     # special tokens recognised: the template's markup must yield its control tokens
     whole = _private_backend(tokenizer, encode_special_tokens=False)
     if whole is None:
         return None
     encode_one = functools.partial(whole.encode, add_special_tokens=False)
-    if chunkable(whole):  # long texts in pieces: the same ids, in less time (chunked_encode)
-        encode = chunked(encode_one)
-    else:
+    in_pieces = chunkable(whole)  # long texts in pieces: the same ids, sooner (chunked_encode)
 
-        def encode(text: str) -> _Encoding:
-            encoding = encode_one(text)
-            return encoding.ids, encoding.offsets
+    def encode(text: str) -> _Encoding:
+        encoding = encode_one(text)
+        return encoding.ids, encoding.offsets
 
     def encode_batch(texts: list[str]) -> list[_Encoding]:
-        pool = _encode_pool() if len(texts) >= MIN_THREADED_BATCH else None
-        return list(map(encode, texts) if pool is None else pool.map(encode, texts))
+        pool = _encode_pool()
+        if pool is not None and len(texts) >= MIN_THREADED_BATCH:  # a thread per text
+            return list(pool.map(chunked(encode_one) if in_pieces else encode, texts))
+        if in_pieces:  # a few texts: the pieces of each on the threads (never nested in them)
+            return list(map(chunked(encode_one, map_pieces=pool.map if pool else map), texts))
+        return list(map(encode, texts))
 
     return encode_batch
 

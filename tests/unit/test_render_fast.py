@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
@@ -202,3 +203,25 @@ def test_prepared_prompts_equal_the_tokenizers_whole_encoding(chunkable_tokenize
         assert prepared.instruction_spans == prompts._runs(kinds == 1)
         checked += 1
     assert checked >= 40
+
+
+def test_pieces_encoded_on_threads_equal_the_whole(chunkable_tokenizer, monkeypatch):
+    """One long request with encoding threads: its pieces are encoded on them, same result."""
+    requests = _requests(8, seed=11)
+    serial = prepare_prompts(requests, chunkable_tokenizer)
+    mapped: list[int] = []
+
+    class Pool:  # the encoding threads, counting what they encode
+        def __init__(self) -> None:
+            self.threads = ThreadPoolExecutor(2)
+
+        def map(self, function: Any, items: list[str]) -> Any:
+            mapped.append(len(items))
+            return self.threads.map(function, items)
+
+    pool = Pool()
+    monkeypatch.setattr(prompts, "_encode_pool", lambda: pool)
+    for request, expected in zip(requests, serial, strict=True):
+        assert prepare_prompts([request], chunkable_tokenizer) == [expected]
+    pool.threads.shutdown()
+    assert len(mapped) >= 4 and max(mapped) > 2  # long texts went to the threads in pieces

@@ -136,7 +136,7 @@ def main() -> None:
         ]
         if any(repr(o) != repr(outputs["this"]) for o in outputs.values()):
             raise SystemExit(f"{form} {tokens}: the two checkouts prepared different prompts")
-        one, many = batch[0], max(5, args.repeats // 6)
+        one, many = batch[0], max(5, args.repeats // 4)
         single = _medians(
             modules, lambda m, one=one: m.prepare_prompt(one, tokenizer), args.repeats
         )

@@ -81,10 +81,12 @@ def _timed(run: Callable[[], object]) -> tuple[float, float]:
 def _medians(
     modules: dict[str, Any], run: Callable[[Any], object], repeats: int
 ) -> dict[str, dict[str, float]]:
-    """Median wall and CPU ms of ``run(module)`` per module, the modules interleaved."""
+    """Median wall and CPU ms of ``run(module)`` per module, the modules taking turns."""
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in modules}
+    order = list(modules.items())
     for _ in range(repeats):
-        for name, module in modules.items():
+        order.reverse()  # each goes first half the time: neither gets the other's warm caches
+        for name, module in order:
             times[name].append(_timed(functools.partial(run, module)))
     return {
         name: {

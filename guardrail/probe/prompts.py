@@ -321,8 +321,9 @@ def _batch_encoder(tokenizer: Any) -> Callable[[list[str]], list[_Encoding]] | N
     releases the GIL while it encodes), never by the tokenizer's batch call, whose thread pool
     takes every core of the machine: next to a vLLM engine core that needs one to keep the GPU
     fed, that cost more than it saved (measured on the H200, docs/gpu.md). A batch smaller than
-    ``MIN_THREADED_BATCH`` has each long text's pieces (``chunked_encode``) encoded by those
-    threads instead: the same ids, and one long request is not left to one core."""
+    ``MIN_THREADED_BATCH`` (the time to first token of one request) has each long text encoded
+    in pieces (``chunked_encode``: the same ids), on those threads; a larger batch is encoded
+    whole, as there the pieces saved nothing measurable (docs/rendering.md)."""
     # special tokens recognised: the template's markup must yield its control tokens
     whole = _private_backend(tokenizer, encode_special_tokens=False)
     if whole is None:
@@ -336,9 +337,9 @@ def _batch_encoder(tokenizer: Any) -> Callable[[list[str]], list[_Encoding]] | N
 
     def encode_batch(texts: list[str]) -> list[_Encoding]:
         pool = _encode_pool()
-        if pool is not None and len(texts) >= MIN_THREADED_BATCH:  # a thread per text
-            return list(pool.map(chunked(encode_one) if in_pieces else encode, texts))
-        if in_pieces:  # a few texts: the pieces of each on the threads (never nested in them)
+        if len(texts) >= MIN_THREADED_BATCH:  # a thread per text, each encoded whole
+            return list(map(encode, texts) if pool is None else pool.map(encode, texts))
+        if in_pieces:  # a few texts: the pieces of each on the threads
             return list(map(chunked(encode_one, map_pieces=pool.map if pool else map), texts))
         return list(map(encode, texts))
 

@@ -182,10 +182,12 @@ def _requests(count: int, seed: int) -> list[Any]:
 
 
 def test_prepared_prompts_equal_the_tokenizers_whole_encoding(chunkable_tokenizer):
-    """Long requests, batched: ids are the tokenizer's own encoding of the rendered text unless
-    content spells a control token, and spans follow from the tokenizer's own offsets."""
+    """Long requests, one at a time (encoded in pieces) and batched (encoded whole): the same
+    prompts; ids are the tokenizer's own encoding of the rendered text unless content spells a
+    control token, and spans follow from the tokenizer's own offsets."""
     requests = _requests(60, seed=7)
-    results = prepare_prompts(requests, chunkable_tokenizer)
+    results = [prepare_prompts([r], chunkable_tokenizer)[0] for r in requests]  # in pieces
+    assert results == prepare_prompts(requests, chunkable_tokenizer)  # a batch: encoded whole
     checked = 0
     for request, prepared in zip(requests, results, strict=True):
         assert isinstance(prepared, PreparedPrompt)

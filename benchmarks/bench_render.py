@@ -121,6 +121,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=60, help="timed runs per case, batch 1")
     parser.add_argument("--against", type=Path, default=None, help="checkout to time in turn")
+    parser.add_argument(
+        "--encode-threads", type=int, default=None, help="ENCODE_THREADS for both (default: as set)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -129,6 +132,9 @@ def main() -> None:
     modules = {"this": prompts}
     if args.against is not None:
         modules["against"] = _load_prompts(args.against)
+    for module in modules.values():
+        if args.encode_threads is not None:
+            module.ENCODE_THREADS = args.encode_threads
     rows = []
     for form, tokens in tqdm([(f, t) for t in (512, 2048) for f in ("pair", "chat")]):
         batch = _requests(tokenizer, form, tokens, 64)
@@ -163,7 +169,8 @@ def main() -> None:
         "repeats": args.repeats,
         "rows": rows,
     }
-    out = args.out or ROOT / "benchmarks" / "results" / f"bench_render_{commit}.json"
+    threads = "" if args.encode_threads is None else f"_threads{args.encode_threads}"
+    out = args.out or ROOT / "benchmarks" / "results" / f"bench_render_{commit}{threads}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"commit {commit} (against: {result['against']}); medians, ms; written to {out}")

@@ -2,7 +2,7 @@
 
 Most of the time to encode a rendered request goes to the byte-level pre-tokenizer, which
 costs more per character on a long text than on a short one: a 2,000-token request encoded in
-pieces of about ``CHUNK_CHARS`` characters took some 15% less CPU on a 2-core test machine, and
+pieces of about 1,000 characters took some 10-15% less CPU on a 2-core test machine, and
 its pieces can be encoded on several threads (``prompts._batch_encoder``), so one long request
 is not left to one core. Pieces are cut only where the whole-text encoding certainly has a
 boundary.
@@ -26,8 +26,11 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-CHUNK_CHARS = 512
+CHUNK_CHARS = 1024
 """A piece is cut at the first safe point at least this many characters in."""
+MIN_CHUNKED_CHARS = 4096
+"""A shorter text is encoded whole: around 2,000 characters (500 tokens) the cutting cost more
+than it saved (measured, docs/rendering.md)."""
 _CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
 
 Encoding = tuple[list[int], list[tuple[int, int]]]  # token ids and their character offsets
@@ -84,14 +87,15 @@ def chunked(
     encode: Callable[[str], Any],
     size: int = CHUNK_CHARS,
     map_pieces: Callable[[Callable[[str], Any], list[str]], Iterable[Any]] = map,
+    min_chars: int = MIN_CHUNKED_CHARS,
 ) -> Callable[[str], Encoding]:
     """``encode`` (one text to a ``tokenizers.Encoding``) applied to the pieces of a text cut at
     ``cuts``, the results joined: the ids and offsets ``encode`` gives for the whole text.
     ``map_pieces`` maps ``encode`` over the pieces, in order (a thread pool's ``map`` encodes
-    one long text on several cores)."""
+    one long text on several cores); a text shorter than ``min_chars`` is encoded whole."""
 
     def encode_in_pieces(text: str) -> Encoding:
-        points = cuts(text, size)
+        points = cuts(text, size) if len(text) >= min_chars else []
         if not points:
             whole = encode(text)
             return whole.ids, whole.offsets

@@ -140,7 +140,7 @@ def test_cuts_are_spaces_between_ascii_letters_far_enough_apart(size):
 @pytest.mark.parametrize("size", [1, 2, 8, 64, 512])
 def test_pieces_give_the_whole_texts_ids_and_offsets(chunkable_tokenizer, size):
     backend = prompts._private_backend(chunkable_tokenizer, encode_special_tokens=False)
-    encode = chunked(functools.partial(backend.encode, add_special_tokens=False), size)
+    encode = chunked(functools.partial(backend.encode, add_special_tokens=False), size, min_chars=0)
     texts = _texts(300, seed=size)
     assert sum(len(cuts(t, size)) for t in texts) > 100  # the test does cut
     for text in texts:
@@ -151,7 +151,7 @@ def test_pool_rows_in_pieces_give_the_whole_texts_ids(chunkable_tokenizer):
     from guardrail.offline.pool import load_pool
 
     backend = prompts._private_backend(chunkable_tokenizer, encode_special_tokens=False)
-    encode = chunked(functools.partial(backend.encode, add_special_tokens=False), 16)
+    encode = chunked(functools.partial(backend.encode, add_special_tokens=False), 16, min_chars=0)
     rows = load_pool(more_layouts=0)[::5]
     for row in rows:
         text = f"<|im_start|>system\n{row.instruction}<|im_end|>\n<|im_start|>user\n{row.data}"
@@ -165,7 +165,7 @@ def _requests(count: int, seed: int) -> list[Any]:
     plain = [p for p in PIECES if "<|" not in p]
     texts = [t for k in range(4) for t in _texts(count // 4, seed + k, PIECES if k == 3 else plain)]
     for i, text in enumerate(texts):
-        data = text * rng.randint(1, 4)
+        data = text * rng.randint(4, 12)
         if i % 3 == 0:
             requests.append((f"Summarize item {i}.", data))
         elif i % 3 == 1:

@@ -125,10 +125,13 @@ def main() -> None:
         "--encode-threads", type=int, default=None, help="ENCODE_THREADS for both (default: as set)"
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None, help="its directory (default: the embedded SmolLM2)"
+    )
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or embedded_model_path())
     modules = {"this": prompts}
     if args.against is not None:
         modules["against"] = _load_prompts(args.against)

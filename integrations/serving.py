@@ -755,8 +755,7 @@ def main(argv: list[str] | None = None) -> None:
             model_name=served_name,
             **engine_kwargs,
         )
-        if chat_template is not None:  # before any request: every render uses it
-            guarded.engine.tokenizer.chat_template = chat_template
+        guarded.engine.chat_template = chat_template  # before any request: every render uses it
         return guarded
 
     app = build_app(

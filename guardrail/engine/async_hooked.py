@@ -286,7 +286,7 @@ class AsyncHookedLLM(HookedBase):
 
     def prepare(self, request: RequestLike) -> PreparedPrompt:
         """Render one request into token ids and spans (raises ``RequestError`` if invalid)."""
-        return prepare_prompt(request, self._tokenizer, max_tokens=self._max_model_len)
+        return prepare_prompt(request, self._tokenizer, self._max_model_len, self.chat_template)
 
     # -- requests --------------------------------------------------------------------------------
     async def stream(

@@ -161,13 +161,15 @@ class HookedLLM(HookedBase):
     def prepare(self, request: RequestLike) -> PreparedPrompt:
         """Render one request into token ids and spans (raises ``RequestError`` if invalid)."""
         with self._handle.lock:  # the tokenizer is not safe to share between threads
-            return prepare_prompt(request, self.tokenizer, max_tokens=self._max_model_len)
+            return prepare_prompt(request, self.tokenizer, self._max_model_len, self.chat_template)
 
     def prepare_many(self, requests: Sequence[RequestLike]) -> list[PreparedPrompt | RequestError]:
         """Render a batch, tokenized in one call: each entry a ``PreparedPrompt`` or the
         ``RequestError`` that refused that request alone."""
         with self._handle.lock:
-            return prepare_prompts(requests, self.tokenizer, max_tokens=self._max_model_len)
+            return prepare_prompts(
+                requests, self.tokenizer, self._max_model_len, self.chat_template
+            )
 
     def generate(
         self,

@@ -63,6 +63,10 @@ class HookedBase:
     probe_hidden_layers: list[int]
     probe_data_mean_layers: list[int]
     _tokenizer: Any
+    chat_template: str | None = None
+    """The Jinja chat template every request is rendered with, as ``vllm serve --chat-template``
+    (None: the tokenizer's own); set it before the first request. It is passed to each render,
+    not set on the tokenizer: vLLM's tokenizer renders on copies of itself made at start-up."""
 
     @staticmethod
     def sampling(**kwargs: Any) -> Any:

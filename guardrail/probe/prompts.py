@@ -254,9 +254,11 @@ class _Vocab:
     unk_id: int | None
     encode_text: Callable[[str], _Encoding]  # tokenize as text: special tokens not recognised
     encode_batch: Callable[[list[str]], list[_Encoding]] | None  # the usual encoding, batched
-    # roles of a request's messages and its markup (``_markup_key``) -> (the template rendered
-    # with placeholders, the tag in them)
-    skeletons: dict[tuple[tuple[str, ...], str], tuple[str, str]] = field(default_factory=dict)
+    # roles of a request's messages, its markup (``_markup_key``) and the chat template given
+    # (None: the tokenizer's own) -> (the template rendered with placeholders, the tag in them)
+    skeletons: dict[tuple[tuple[str, ...], str, str | None], tuple[str, str]] = field(
+        default_factory=dict
+    )
 
     max_token_chars: int = 0  # no token spans more characters (0: unknown, no bound)
 
@@ -522,10 +524,20 @@ def _template(
     messages: list[Message],
     contents: list[str],
     tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
 ) -> str:
+    """The chat rendered by ``chat_template``, or by the tokenizer's own template when None.
+    The template is passed to ``apply_chat_template``, never set on the tokenizer: vLLM's
+    engine tokenizer renders on private copies of itself, which an attribute set later misses."""
     chat = [_chat_message(m, c) for m, c in zip(messages, contents, strict=True)]
     return str(
-        tokenizer.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            chat,
+            chat_template=chat_template,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
     )
 
 
@@ -581,10 +593,11 @@ def _render_skeleton(
     tokenizer: Any,
     holders: list[str],
     tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
 ) -> str:
     """The template rendered with placeholders: its errors can quote no content."""
     try:
-        return _template(tokenizer, messages, holders, tools)
+        return _template(tokenizer, messages, holders, tools, chat_template)
     except Exception as exc:  # a template raises whatever it likes (jinja2 TemplateError, ...)
         failure = type(exc).__name__
         detail = str(exc)
@@ -602,7 +615,10 @@ def _render_skeleton(
 
 
 def _render(
-    messages: list[Message], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+    messages: list[Message],
+    tokenizer: Any,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
 ) -> tuple[str, list[tuple[int, int, SpanKind]]]:
     """Render the chat template; return the text and each segment's character range.
 
@@ -610,24 +626,27 @@ def _render(
     each content is then put where its placeholder landed, and its segments' ranges recorded as
     they are placed (never found by searching the text). The result must equal the template
     rendered with the real contents, or the request is refused. ``tools`` (and messages' tool
-    calls) are rendered by the template as its own markup, in the skeleton.
+    calls) are rendered by the template as its own markup, in the skeleton. ``chat_template``
+    renders instead of the tokenizer's own template when given.
     """
     contents = ["".join(s.text for s in m.segments()) for m in messages]
     skeletons = _vocab(tokenizer).skeletons
     markup = _markup_key(messages, tools)
-    key = (tuple(m.role for m in messages), markup)
+    key = (tuple(m.role for m in messages), markup, chat_template)
     if key in skeletons:  # the skeleton depends on the roles and markup alone: rendered once
         skeleton, tag = skeletons[key]
         if _tag_is_free(messages, tag, markup):
             holders = _holders(messages, tag)
             try:
-                return _place(messages, tokenizer, contents, skeleton, holders, tools)
+                return _place(
+                    messages, tokenizer, contents, skeleton, holders, tools, chat_template
+                )
             except RequestError:  # e.g. a template that renders today's date: render afresh
                 pass
     tag = _fresh_tag(messages, markup)
     holders = _holders(messages, tag)
-    skeleton = _render_skeleton(messages, tokenizer, holders, tools)
-    rendered = _place(messages, tokenizer, contents, skeleton, holders, tools)
+    skeleton = _render_skeleton(messages, tokenizer, holders, tools, chat_template)
+    rendered = _place(messages, tokenizer, contents, skeleton, holders, tools, chat_template)
     if len(skeletons) < MAX_SKELETONS:
         skeletons[key] = (skeleton, tag)
     return rendered
@@ -644,6 +663,7 @@ def _place(
     skeleton: str,
     holders: list[str],
     tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
 ) -> tuple[str, list[tuple[int, int, SpanKind]]]:
     """Put each content where its placeholder landed in ``skeleton``, recording its segments'
     character ranges; checked against the template rendered with the real contents."""
@@ -679,7 +699,7 @@ def _place(
         cursor = at + len(holders[i])
     parts.append(skeleton[cursor:])
     text = "".join(parts)
-    _check_same_as_template(messages, tokenizer, contents, text, tools)
+    _check_same_as_template(messages, tokenizer, contents, text, tools, chat_template)
     return text, ranges
 
 
@@ -689,11 +709,12 @@ def _check_same_as_template(
     contents: list[str],
     text: str,
     tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Refuse a rendering (content put in place of placeholders) that is not what the template
     renders with the real content: the template transforms content or depends on it."""
     try:
-        real = _template(tokenizer, messages, contents, tools)
+        real = _template(tokenizer, messages, contents, tools, chat_template)
     except Exception as exc:  # the template's message could quote the content: not kept
         real = None
         failure = type(exc).__name__
@@ -884,7 +905,7 @@ class _Rendered:
     ranges: list[tuple[int, int, SpanKind]]
 
 
-def _rendered(request: RequestLike, tokenizer: Any) -> _Rendered:
+def _rendered(request: RequestLike, tokenizer: Any, chat_template: str | None = None) -> _Rendered:
     messages = to_messages(request)
     tools = request.tools if isinstance(request, ChatWithTools) else None
     _check_text(messages, _vocab(tokenizer).control.values(), tools)
@@ -893,7 +914,7 @@ def _rendered(request: RequestLike, tokenizer: Any) -> _Rendered:
             "the request has no trusted instruction text: add a system or user "
             "message, or an instruction"
         )
-    text, ranges = _render(messages, tokenizer, tools)
+    text, ranges = _render(messages, tokenizer, tools, chat_template)
     return _Rendered(messages, text, ranges)
 
 
@@ -922,12 +943,16 @@ def _prepared(
 
 
 def prepare_prompts(
-    requests: Sequence[RequestLike], tokenizer: Any, max_tokens: int | None = None
+    requests: Sequence[RequestLike],
+    tokenizer: Any,
+    max_tokens: int | None = None,
+    chat_template: str | None = None,
 ) -> list[PreparedPrompt | RequestError]:
     """``prepare_prompt`` for a batch: each request rendered, then all tokenized in one call.
 
     Returns one entry per request, in order: its ``PreparedPrompt``, or the ``RequestError``
     that refused it (one bad request fails alone).
+    ``chat_template`` (a Jinja template) renders instead of the tokenizer's own when given.
 
     Example:
         >>> prepare_prompts([("Summarize.", "Hi"), "Hello"], tokenizer)  # doctest: +SKIP
@@ -941,7 +966,7 @@ def prepare_prompts(
     bound = None if max_tokens is None or not longest else 2 * max_tokens * longest
     for i, request in enumerate(requests):
         try:
-            item = _rendered(request, tokenizer)
+            item = _rendered(request, tokenizer, chat_template)
             if bound is not None and len(item.text) > bound:
                 raise RequestError(  # cheaply, before the tokenizer spends seconds on it
                     f"the request renders to more characters than {max_tokens} tokens "
@@ -963,9 +988,13 @@ def prepare_prompts(
 
 
 def prepare_prompt(
-    request: RequestLike, tokenizer: Any, max_tokens: int | None = None
+    request: RequestLike,
+    tokenizer: Any,
+    max_tokens: int | None = None,
+    chat_template: str | None = None,
 ) -> PreparedPrompt:
-    """Render ``request`` with the model's chat template and compute its token spans.
+    """Render ``request`` with the model's chat template (``chat_template`` when given) and
+    compute its token spans.
 
     A token belongs to the segment that holds its last character (byte-level BPE glues a
     leading space to the next word, so a token straddling a boundary belongs to the word).
@@ -977,7 +1006,7 @@ def prepare_prompt(
         >>> p.data_spans  # doctest: +SKIP
         [(17, 18)]
     """
-    [prepared] = prepare_prompts([request], tokenizer, max_tokens)
+    [prepared] = prepare_prompts([request], tokenizer, max_tokens, chat_template)
     if isinstance(prepared, RequestError):
         raise prepared
     return prepared

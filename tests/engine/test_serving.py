@@ -40,6 +40,7 @@ from tests.helpers import (
     scrape,
     tiny_config,
 )
+from tests.tool_templates import SERVED_TEMPLATE, TOOL
 
 CHATS = SERVED_CHATS  # the server's policies are placed on these chats' offline scores
 MAX_TOKENS = SERVED_MAX_TOKENS
@@ -483,6 +484,9 @@ def command_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactor
     command = [sys.executable, "-m", "guardrail.integrations.serving", str(tiny_llama_dir)]
     command += ["--probe-config", str(config), "--served-model-name", "tiny", "--port", str(port)]
     command += ["--max-model-len", "256", "--dtype", "float32", "--max-num-seqs", "4"]
+    template = folder / "chat.jinja"  # renders tools (the tiny Llama's own template does not)
+    template.write_text(SERVED_TEMPLATE)
+    command += ["--chat-template", str(template)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -515,6 +519,42 @@ def test_the_command_takes_vllm_flags(command_server: Any) -> None:
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model="tiny", prompt="word " * 300, max_tokens=2)
     assert "256" in too_long.value.body["message"]  # the engine's context, from --max-model-len
+
+
+@pytest.mark.slow  # its own engine start, behind guardrail-serve
+def test_the_command_renders_with_its_chat_template(
+    command_server: Any, tiny_llama_dir: Path
+) -> None:
+    """``--chat-template FILE``: every chat is rendered by that template, here one that renders
+    the request's tools where the model's own template drops them."""
+    from guardrail.integrations._openai_tools import normalised_tools
+    from transformers import AutoTokenizer
+
+    from guardrail.probe.prompts import ChatWithTools, prepare_prompt
+
+    url, _, _ = command_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    answer = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        tools=[TOOL],
+        tool_choice="none",  # rendered, answered in text: no tool parser on this server
+        max_tokens=2,
+        temperature=0,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    own = prepare_prompt(
+        ChatWithTools(messages=messages, tools=normalised_tools([TOOL])), tokenizer
+    )
+    tokenizer.chat_template = SERVED_TEMPLATE
+    given = prepare_prompt(
+        ChatWithTools(messages=messages, tools=normalised_tools([TOOL])), tokenizer
+    )
+    assert '"name": "get_weather"' in given.text and "get_weather" not in own.text
+    assert answer.usage.prompt_tokens == len(given.token_ids)  # the engine ran that rendering
+    verdict = answer.model_extra["guardrail"]
+    assert [tuple(s) for s in verdict["instruction_spans"]] == given.instruction_spans
 
 
 @pytest.mark.slow  # its own engine start, behind guardrail-serve

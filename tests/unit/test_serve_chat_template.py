@@ -43,3 +43,30 @@ def test_a_template_that_cannot_render_is_refused_naming_the_flag(value: str, sa
         chat_template_text(value)
     assert str(refused.value).startswith("--chat-template ")
     assert says in str(refused.value)
+
+
+def test_the_template_renders_on_the_engine_s_tokenizer(tiny_llama_dir: Path) -> None:
+    """The engine's tokenizer (vLLM's renderer's) renders on copies of itself made at start-up,
+    so a template set on it afterwards is never used: the template is passed to each render.
+    The skeletons cached per tokenizer are kept apart per template."""
+    from guardrail.integrations._openai_tools import normalised_tools
+    from transformers import AutoTokenizer
+    from vllm.tokenizers import get_tokenizer, maybe_make_thread_pool
+
+    from guardrail.probe.prompts import ChatWithTools, prepare_prompt
+    from tests.tool_templates import SERVED_TEMPLATE, TOOL
+
+    engine_tokenizer = maybe_make_thread_pool(get_tokenizer(str(tiny_llama_dir)), 2)
+    reference = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    reference.chat_template = SERVED_TEMPLATE
+    chat = ChatWithTools(
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=normalised_tools([TOOL]),
+    )
+    own = prepare_prompt(chat, engine_tokenizer)
+    given = prepare_prompt(chat, engine_tokenizer, chat_template=SERVED_TEMPLATE)
+    expected = prepare_prompt(chat, reference)
+    assert "get_weather" not in own.text and '"name": "get_weather"' in given.text
+    assert given.token_ids == expected.token_ids
+    assert given.instruction_spans == expected.instruction_spans
+    assert prepare_prompt(chat, engine_tokenizer).token_ids == own.token_ids  # not the cached

@@ -86,10 +86,6 @@ NOTES = {
     "guardrail/probe/config.py: ModelProbeConfig.check_model": (
         "About half of it is docstring and message text."
     ),
-    "guardrail/probe/_fused_kernel.py: span_stats": (
-        "One Triton program: its argument list (pointers and strides) and one loop over the "
-        "row's keys; Triton kernels cannot call Python helpers."
-    ),
     "guardrail/probe/fused_stats.py: span_stats_into": (
         "Half of it is the kernel's argument list, passed positionally as Triton requires."
     ),

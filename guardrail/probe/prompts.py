@@ -51,7 +51,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from guardrail.errors import RequestError
-from guardrail.probe.chunked_encode import chunkable, chunked
 
 SpanKind = Literal["instruction", "data", "other"]
 TRUSTED_ROLES = frozenset({"system", "user", "developer"})
@@ -322,28 +321,17 @@ def _batch_encoder(tokenizer: Any) -> Callable[[list[str]], list[_Encoding]] | N
     A batch is encoded by a few threads of this module's own (``ENCODE_THREADS``; the backend
     releases the GIL while it encodes), never by the tokenizer's batch call, whose thread pool
     takes every core of the machine: next to a vLLM engine core that needs one to keep the GPU
-    fed, that cost more than it saved (measured on the H200, docs/gpu.md). A batch smaller than
-    ``MIN_THREADED_BATCH`` (the time to first token of one request) has each long text encoded
-    in pieces (``chunked_encode``: the same ids), on those threads; a larger batch is encoded
-    whole, as there the pieces saved nothing measurable (docs/rendering.md)."""
+    fed, that cost more than it saved (measured on the H200, docs/gpu.md)."""
     # special tokens recognised: the template's markup must yield its control tokens
     whole = _private_backend(tokenizer, encode_special_tokens=False)
     if whole is None:
         return None
-    encode_one = functools.partial(whole.encode, add_special_tokens=False)
-    in_pieces = chunkable(whole)  # long texts in pieces: the same ids, sooner (chunked_encode)
-
-    def encode(text: str) -> _Encoding:
-        encoding = encode_one(text)
-        return encoding.ids, encoding.offsets
+    encode = functools.partial(whole.encode, add_special_tokens=False)
 
     def encode_batch(texts: list[str]) -> list[_Encoding]:
-        pool = _encode_pool()
-        if len(texts) >= MIN_THREADED_BATCH:  # a thread per text, each encoded whole
-            return list(map(encode, texts) if pool is None else pool.map(encode, texts))
-        if in_pieces:  # a few texts: the pieces of each on the threads
-            return list(map(chunked(encode_one, map_pieces=pool.map if pool else map), texts))
-        return list(map(encode, texts))
+        pool = _encode_pool() if len(texts) >= MIN_THREADED_BATCH else None
+        encodings = list(map(encode, texts) if pool is None else pool.map(encode, texts))
+        return [(e.ids, e.offsets) for e in encodings]
 
     return encode_batch
 

@@ -119,10 +119,7 @@ def span_stats_into(
     rows, count = token_rows.shape[0], heads.shape[0]
     if not rows or not count:
         return
-    if out.dtype != torch.float32 or not out.is_contiguous() or out.shape[2] != WIDTH:
-        raise ValueError(f"out must be a contiguous float32 [rows, columns, 5], got {out.shape}")
-    if instruction.stride() != data.stride() or slots.stride(1) != 1 or data.stride(1) != 1:
-        raise ValueError("slots, instruction and data must be row-major with the same row stride")
+    _check_step(out, slots, instruction, data)
     if any(t.stride(0) != 1 for t in (token_rows, lengths, heads, kv_heads)):
         raise ValueError("token_rows, lengths, heads and kv_heads must be contiguous")
     if query.stride(-1) != 1:
@@ -159,6 +156,16 @@ def span_stats_into(
         use_softcap=bool(softcap),
         eps=EPS,
     )
+
+
+def _check_step(
+    out: torch.Tensor, slots: torch.Tensor, instruction: torch.Tensor, data: torch.Tensor
+) -> None:
+    """The layouts both kernels read the step's table and masks in (``ValueError`` otherwise)."""
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.shape[2] != WIDTH:
+        raise ValueError(f"out must be a contiguous float32 [rows, columns, 5], got {out.shape}")
+    if instruction.stride() != data.stride() or slots.stride(1) != 1 or data.stride(1) != 1:
+        raise ValueError("slots, instruction and data must be row-major with the same row stride")
 
 
 def key_offsets(views: Sequence[torch.Tensor]) -> list[int | None]:
@@ -235,12 +242,9 @@ def span_stats_layers_into(
     if not rows or not count:
         return
     # checked once per step (the layers only copied their queries into the stash)
-    if out.dtype != torch.float32 or not out.is_contiguous() or out.shape[2] != WIDTH:
-        raise ValueError(f"out must be a contiguous float32 [rows, columns, 5], got {out.shape}")
+    _check_step(out, slots, instruction, data)
     if not (stash.is_contiguous() and columns.is_contiguous() and offsets.is_contiguous()):
         raise ValueError("stash, columns and offsets must be contiguous")
-    if instruction.stride() != data.stride() or slots.stride(1) != 1 or data.stride(1) != 1:
-        raise ValueError("slots, instruction and data must be row-major with the same row stride")
     if lengths.stride(0) != 1:
         raise ValueError("lengths must be contiguous")
     dim = stash.shape[-1]

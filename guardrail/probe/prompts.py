@@ -621,7 +621,7 @@ def _render(
     skeletons = _vocab(tokenizer).skeletons
     markup = _markup_key(messages, tools)
     key = (tuple(m.role for m in messages), markup, chat_template)
-    if key in skeletons:  # the skeleton depends on the roles and markup alone: rendered once
+    if key in skeletons:  # the skeleton depends on roles, markup and template alone: made once
         skeleton, tag = skeletons[key]
         if _tag_is_free(messages, tag, markup):
             holders = _holders(messages, tag)

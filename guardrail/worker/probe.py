@@ -294,12 +294,10 @@ class Probe:
         )
         group = self.group
         if group is not None:
-            assert rows.token_rows is not None
             shape, dtype = group.query_form
-            queries = torch.empty(
+            rows.stash = torch.empty(
                 (group.slots, rows.scored, *shape), dtype=dtype, device=self.device
             )
-            rows.stash = (rows.token_rows, queries)
 
     # -- per layer -----------------------------------------------------------------------------
     def score_layer(
@@ -313,15 +311,15 @@ class Probe:
         rows = self.rows
         if not rows.scored:
             return
-        stash = rows.stash
-        if stash is not None and layer.slot >= 0:  # the group's kernel reads it at the end
+        if rows.stash is not None and layer.slot >= 0:  # the group's kernel reads it at the end
             if layer.index == self.first_layer:
                 self._check_layout(rows, query, key, kv_cache)
             # vLLM allocates each layer's cache once, its strides with it: a cache tensor at a
             # new address is the one change to look for (never seen; regrouped at the end)
             if kv_cache.data_ptr() != layer.cache_ptr:
                 layer.cache, self.caches_moved = kv_cache, True
-            torch.index_select(query, 0, stash[0], out=stash[1][layer.slot])
+            assert rows.token_rows is not None
+            torch.index_select(query, 0, rows.token_rows, out=rows.stash[layer.slot])
             return
         assert rows.token_column is not None and rows.head_slots is not None
         tokens, heads = rows.head_slots.shape[2], len(layer.global_heads)
@@ -435,7 +433,7 @@ class Probe:
         assert rows.instruction is not None and rows.data is not None
         if rows.stats is not None:  # the fused kernels: the group's now, the others' already
             if rows.stash is not None:
-                self._group_stats(rows, rows.stats, rows.stash[1])
+                self._group_stats(rows, rows.stats, rows.stash)
             stats = rows.stats
         else:
             logits = torch.cat(rows.logits, dim=1)  # [K, local heads of every layer, T]
@@ -693,20 +691,18 @@ def install_probe(
         module = attention_layers[layer_index]
         local_kv = int(getattr(module.impl, "num_kv_heads", info["num_kv_heads"]))
         host_heads = [h - lo for h in global_heads]
-        local_heads = torch.tensor(host_heads, dtype=torch.long)
+        host_kv_heads = [h // (per_rank // local_kv) for h in host_heads]  # GQA
         layer = Layer(
             layer_index,
-            local_heads.to(runner.device),
+            torch.tensor(host_heads, dtype=torch.long, device=runner.device),
             # as a column: it indexes (head, position) pairs of the key gather
-            torch.div(local_heads, per_rank // local_kv, rounding_mode="floor")[:, None].to(
-                runner.device
-            ),
+            torch.tensor(host_kv_heads, dtype=torch.long, device=runner.device)[:, None],
             global_heads,
             module.impl,
             module.impl.forward,
             "forward" in vars(module.impl),
             host_heads=host_heads,
-            host_kv_heads=[h // (per_rank // local_kv) for h in host_heads],
+            host_kv_heads=host_kv_heads,
         )
         module.impl.forward = make_probe_forward(probe, layer, runner)
         probe.layers[layer_index] = layer

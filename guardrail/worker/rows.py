@@ -78,9 +78,9 @@ class StepRows:
     last_slots: torch.Tensor | None = None  # [K] long: KV slot of the last prompt token
     lengths: torch.Tensor | None = None  # [K] long: prompt tokens of the row
     stats: torch.Tensor | None = None  # [K, local heads of every layer, 5]: the fused kernel's
-    # (token_rows, [stash slots, K, heads, dim]): each grouped layer's queries of the rows, read
-    # by the fused kernel of the whole layer group at the end of the step
-    stash: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [stash slots, K, heads, dim]: each grouped layer's queries at the rows' ``token_rows``,
+    # read by the fused kernel of the whole layer group at the end of the step
+    stash: torch.Tensor | None = None
     flags: torch.Tensor | None = None  # [K, len(FLAG_MESSAGES)] bool
     logits: list[torch.Tensor] = field(default_factory=list)  # per hooked layer [K, heads, T]
     terms: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K] logit term

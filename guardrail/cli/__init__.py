@@ -9,6 +9,7 @@ in ``guardrail.offline``.
 
     guardrail check --engine-arg enforce_eager=false                   # what an engine runs
     guardrail calibrate --out my_configs/            # embedded SmolLM2, the packaged pool
+    guardrail calibrate --out model_configs/         # rebuilds the shipped SmolLM2 configs
     guardrail evaluate --config model_configs/X.json --data pairs.jsonl --out-dir results/
     guardrail threshold --config model_configs/X.json --data my_clean.jsonl --out mine.json
 
@@ -122,7 +123,8 @@ register(
 register(
     Subcommand(
         "calibrate",
-        "score labelled rows with every head and write a model config",
+        "score labelled rows with every head and write a model config (without --data: "
+        "the attention-only and combined configs from the packaged pool, with their report)",
         calibrate.configure,
         calibrate.run,
     )

@@ -1,9 +1,14 @@
 """``guardrail calibrate``: score labelled rows with every head and write a model config.
 
 Without ``--data`` it calibrates on the labelled pool that installs with the package
-(:mod:`guardrail.offline.pool`), so ``guardrail calibrate --model DIR --out DIR`` works for any
-model. The report (JSON, a per-source markdown table and, with matplotlib, ROC curves) goes
-next to the config unless ``--report`` says where.
+(:mod:`guardrail.offline.pool`) by the pool recipe (:mod:`guardrail.offline.pool_fit`), so
+``guardrail calibrate --model DIR --out DIR`` works for any model: it writes the attention-only
+config (``<name>.json``), the combined one (``<name>.combined.json``) and their report
+(leave-one-source-out table, clean rows flagged per layout, ROC curves). On the embedded
+SmolLM2 that is the writer of the shipped configs: ``guardrail calibrate --out model_configs``
+rebuilds them. With ``--data`` it fits the probe kind ``--probe`` asks for on those rows; its
+report (JSON, a per-source markdown table and, with matplotlib, ROC curves) goes next to the
+config unless ``--report`` says where.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from guardrail.cli.calibrate_pool import POOL, run_pool
 from guardrail.cli.options import (
     add_model_arguments,
-    pool_rows_of,
     resolve_model,
     rows_of,
     scoring_settings,
@@ -30,7 +35,6 @@ from guardrail.errors import ConfigError
 from guardrail.offline.calibration import CalibrationSettings, calibrate_probes
 from guardrail.offline.combined import fit_combined, worst_source_threshold
 from guardrail.offline.datasets import LabelledPair, ScoreTable, pairs_sha256
-from guardrail.offline.pool import pool_summary
 from guardrail.offline.row_scores import scores_for
 from guardrail.offline.source_report import (
     per_source_metrics,
@@ -40,8 +44,6 @@ from guardrail.offline.source_report import (
 )
 from guardrail.probe.config import Calibration, ModelProbeConfig, read_model_config
 from guardrail.probe.scoring import HeadKey
-
-POOL = "the labelled calibration pool installed with the package (guardrail/pool)"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -79,8 +81,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_fit_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of the fit: probe kind, feature, threshold rule, layer budget, folds."""
-    parser.add_argument(
+    """The arguments of the fit with ``--data``: probe kind, feature, threshold rule, layer
+    budget, folds (without ``--data`` the pool recipe decides; ``--target-fpr``,
+    ``--hidden-layers`` (candidates) and ``--data-mean-layers`` still apply)."""
+    group = parser.add_argument_group(
+        "the fit with --data",
+        "without --data the pool recipe (guardrail.offline.transfer) fits both configs: "
+        "these options are ignored, except --target-fpr; --hidden-layers names the candidate "
+        "stream layers and --data-mean-layers the data-mean ones; rows over 2048 prompt "
+        "tokens are skipped unless --max-prompt-tokens says otherwise",
+    )
+    group.add_argument(
         "--probe",
         choices=["auto", "logistic", "mean_focus", "combined"],
         default="auto",
@@ -88,7 +99,7 @@ def _add_fit_arguments(parser: argparse.ArgumentParser) -> None:
         "--hidden-layers and/or --data-mean-layers: attention features and the hidden state "
         "in one sparse model)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--feature",
         choices=["logit_focus", "attention_stats", "focus"],
         default="logit_focus",
@@ -96,21 +107,21 @@ def _add_fit_arguments(parser: argparse.ArgumentParser) -> None:
         "attention_stats: five stats per head, higher AUROC on rows like the calibration rows "
         "but it transferred worse to other prompt formats, see docs/detection-attention-only.md)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--threshold-rule",
         choices=["fpr", "midpoint"],
         default="fpr",
         help="where the threshold goes: fpr (the focus that flags --target-fpr of the clean "
         "rows) or midpoint (halfway between the clean and injected rows' mean focus)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--target-fpr",
         type=float,
         default=0.01,
         help="share of the clean rows the fpr threshold may flag",
     )
-    parser.add_argument("--max-layers", type=int, default=6, help="largest layer budget swept")
-    parser.add_argument(
+    group.add_argument("--max-layers", type=int, default=6, help="largest layer budget swept")
+    group.add_argument(
         "--layers",
         type=_layer_budget,
         default="auto",
@@ -118,7 +129,7 @@ def _add_fit_arguments(parser: argparse.ArgumentParser) -> None:
         "CV AUROC of the best, default), all (L1 over every layer), or a number of layers "
         "(the sweep's step with that many; the report lists them all)",
     )
-    parser.add_argument("--folds", type=int, default=5, help="cross-validation folds (by group)")
+    group.add_argument("--folds", type=int, default=5, help="cross-validation folds (by group)")
 
 
 def _layer_budget(text: str) -> int | str:
@@ -162,23 +173,10 @@ def probe_config(
 
 
 def _rows(args: argparse.Namespace) -> tuple[list[LabelledPair], str]:
-    """The rows to calibrate on (``--data``, else the packaged pool) and their description."""
-    if args.data:
-        if args.pool_sources:
-            raise ConfigError("--pool-sources picks sources of the packaged pool: drop --data")
-        pairs, labelled = rows_of(args, args.exclude_split, False, args.twins_per_row)
-        names = ", ".join(p.name for p in args.data)
-        return pairs, names + ("" if labelled else " + generated twins")
-    pairs = pool_rows_of(args, args.exclude_split, args.pool_sources)
-    print(f"no --data: calibrating on {POOL}")
-    for line in pool_summary(pairs):
-        print(f"  {line}")
-    corpora = sorted({str(p.extra["corpus"]) for p in pairs})
-    return pairs, (
-        f"the calibration pool installed with vllm-guardrail (guardrail/pool/manifest.json: "
-        f"{', '.join(corpora)}; licences there), each row in the pair layout and one drawn other "
-        "layout"
-    )
+    """The rows of ``--data`` and their description."""
+    pairs, labelled = rows_of(args, args.exclude_split, False, args.twins_per_row)
+    names = ", ".join(p.name for p in args.data)
+    return pairs, names + ("" if labelled else " + generated twins")
 
 
 def _provenance(
@@ -352,6 +350,10 @@ def _write_report(
 
 
 def run(args: argparse.Namespace, engine: Any) -> int:
+    if not args.data:
+        return run_pool(args, engine)
+    if args.pool_sources:
+        raise ConfigError("--pool-sources picks sources of the packaged pool: drop --data")
     model, default_id = resolve_model(args.model)
     model_id = args.model_id or default_id
     pairs, source = _rows(args)

@@ -1,5 +1,7 @@
 """``guardrail calibrate`` without ``--data``: the tiny model calibrated on the packaged pool,
-end to end through the serving probe, writes a config that loads and a report beside it.
+end to end through the serving probe, writes both configs (attention-only and combined) that
+load, and the report beside them (each source left out, clean rows flagged per layout, ROC);
+a second run from the score cache rewrites every file byte for byte.
 
 Rows over 1,536 prompt tokens are left out with ``--max-prompt-tokens`` (28 of the 448 rows
 sampled, a fifth of the tokens to score: the test's time), and those over the engine's
@@ -25,12 +27,12 @@ pytest.importorskip("sklearn")
 
 
 @pytest.mark.timeout(900)
-def test_calibrate_on_the_packaged_pool(tiny_engine, tiny_llama_dir, tmp_path, capsys):
+def test_calibrate_on_the_packaged_pool(tiny_hidden_engine, tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "cfg"
-    args = ["calibrate", "--model", str(tiny_llama_dir), "--out", str(out), "--model-id", "t/ny"]
+    args = ["calibrate", "--model", str(tiny_llama_dir), "--model-id", "t/ny"]
     args += ["--max-groups-per-task", "1", "--max-model-len", str(CONTEXT), "--batch-size", "16"]
-    args += ["--max-prompt-tokens", str(CAP)]
-    assert main([*args, "--folds", "3", "--max-layers", "2"], engine=tiny_engine) == 0
+    args += ["--max-prompt-tokens", str(CAP), "--scores-cache", str(tmp_path / "scores.npz")]
+    assert main([*args, "--out", str(out)], engine=tiny_hidden_engine) == 0
     printed = capsys.readouterr().out
     manifest = read_manifest()
     for source in manifest.sources:  # every source named with its licence
@@ -38,6 +40,20 @@ def test_calibrate_on_the_packaged_pool(tiny_engine, tiny_llama_dir, tmp_path, c
 
     config = read_model_config(out / "ny.json")
     config.check_fits(4, 4)
+    assert not config.hidden  # the attention-only config: it runs in any engine mode
+    combined = read_model_config(out / "ny.combined.json")
+    combined.check_fits(4, 4)
+    # the generic recipe: stream layers 0-2 ranked, the best two read at the last token and
+    # the first of them averaged over the data tokens
+    (last, mean) = (
+        {p.layer for p in combined.hidden or [] if p.position == k} for k in ("last", "data_mean")
+    )
+    report = json.loads((out / "ny.report.json").read_text())
+    chosen = report["fits"]["combined"]
+    assert len(chosen["last_layers"]) == 2 and set(chosen["last_layers"]) <= {0, 1, 2}
+    assert chosen["data_mean_layers"] == chosen["last_layers"][:1]
+    assert last <= set(chosen["last_layers"]) and mean <= set(chosen["data_mean_layers"])
+    assert combined.hidden_size == 128 and combined.num_layers == 4
     expected = sample_groups(load_pool(), 1, 0)
     report = json.loads((out / "ny.report.json").read_text())
     skipped = {row["id"]: row["reason"] for row in report["skipped"]["rows"]}
@@ -55,18 +71,39 @@ def test_calibrate_on_the_packaged_pool(tiny_engine, tiny_llama_dir, tmp_path, c
     }
     assert all(length[i] > CAP for i in skipped)  # the probe scored every row that fit
     kept = [p for p in expected if p.id not in skipped]
-    assert config.calibration is not None
-    assert config.calibration.num_examples == report["rows"] == len(kept)
-    assert config.calibration.sha256 == pairs_sha256(kept)
-    assert "calibration pool installed with vllm-guardrail" in config.calibration.dataset
+    for written in (config, combined):
+        assert written.calibration is not None
+        assert written.calibration.num_examples == len(kept)
+        assert written.calibration.sha256 == pairs_sha256(kept)
+        assert "calibration pool installed with vllm-guardrail" in written.calibration.dataset
+        assert written.source.startswith("guardrail calibrate: ")
 
-    # the per-source table: every source, counts that add up to the rows calibrated on
-    table = report["per_source"]
-    assert set(table) == {s.name for s in manifest.sources} | {"all"}
-    assert sum(
-        table[s.name]["n_clean"] + table[s.name]["n_injected"] for s in manifest.sources
-    ) == len(kept)
-    assert table["all"]["n_clean"] == sum(p.label == 0 for p in kept)
-    assert (out / "ny.report.md").read_text().startswith("# t/ny: ")
+    # the pool fit out of fold: every source and layout, counts that add up to the rows
+    for kind in ("attention", "combined"):
+        table = report["out_of_fold"][kind]
+        assert set(table) == {s.name for s in manifest.sources}
+        assert sum(t["all"]["n_clean"] + t["all"]["n_injected"] for t in table.values()) == len(
+            kept
+        )
+        layouts = {p.extra["layout"] for p in kept}
+        assert {lay for t in table.values() for lay in t} == layouts | {"all"}
+    # each source left out: both kinds, its own rows, every layout it has
+    by_source = {s.name: [p for p in kept if p.extra["corpus"] == s.name] for s in manifest.sources}
+    assert set(report["left_out"]) == set(by_source)
+    for name, results in report["left_out"].items():
+        assert set(results) == {"attention", "combined"}
+        assert results["combined"]["all"]["n_clean"] == sum(p.label == 0 for p in by_source[name])
+        assert set(results["combined"]) == {p.extra["layout"] for p in by_source[name]} | {"all"}
+    markdown = (out / "ny.report.md").read_text()
+    assert markdown.startswith("# t/ny: ") and "## Leave one source out" in markdown
+    assert "## Per prompt layout, combined probe, each source left out" in markdown
     if pytest.importorskip("matplotlib"):
         assert (out / "ny.report.png").stat().st_size > 5000
+
+    # rebuilt from the score cache (nothing scored again): the same files, byte for byte
+    again = tmp_path / "again"
+    assert main([*args, "--out", str(again)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(p.name for p in again.iterdir()) and len(names) == 5
+    for name in names:
+        assert (out / name).read_bytes() == (again / name).read_bytes(), name

@@ -1,0 +1,190 @@
+"""A model's configs from the calibration pool: what ``guardrail calibrate`` without ``--data``
+fits, and the one writer of the shipped SmolLM2 configs.
+
+From rows the serving probe scored once (every head; the last-token and data-mean streams of
+the recipe's candidate layers), :func:`calibrate_on_pool` fits two probes of
+:mod:`guardrail.offline.transfer` on the calibration rows:
+
+- ``attention``: attention features only; it runs in any engine mode (``<name>.json``);
+- ``combined``: the same heads with the last-token stream of the two best candidate layers and
+  the data-mean stream of the first of them (``<name>.combined.json``, eager engines);
+
+and measures both on each source left out of the fit.
+:func:`guardrail.offline.pool_report.write_pool_calibration` writes the two configs and the
+report beside them. Everything is deterministic: the same scores give the same files, byte for
+byte.
+
+Example:
+    >>> result = calibrate_on_pool(pool, ModelShape.of("my/model-dir", "my/model"),
+    ...                            "the pool", recipe_for("my/model", 32))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from guardrail.errors import ConfigError
+from guardrail.offline.datasets import pairs_sha256
+from guardrail.offline.transfer import (
+    LeftOut,
+    Measured,
+    ProbeFit,
+    ScoredPool,
+    TransferRecipe,
+    choose_attention_layers,
+    choose_hidden_layers,
+    fit_probe,
+    leave_one_source_out,
+    per_layout,
+)
+from guardrail.probe.config import Calibration, ModelProbeConfig
+
+__all__ = [
+    "ModelShape",
+    "PoolCalibration",
+    "calibrate_on_pool",
+]
+
+WRITER = "guardrail calibrate"
+"""How a config written here names its writer (its ``source`` field)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a config records about its model: id and sizes (from the model's config.json)."""
+
+    model_id: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None
+    hidden_size: int
+
+    @classmethod
+    def of(cls, model: str, model_id: str) -> ModelShape:
+        """The shape of ``model`` (a directory or a Hugging Face id)."""
+        path = Path(model) / "config.json"
+        if path.is_file():
+            raw: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        else:
+            from transformers import AutoConfig
+
+            raw = AutoConfig.from_pretrained(model).to_dict()
+        raw = raw.get("text_config") or raw
+        return cls(
+            model_id=model_id,
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=int(raw["num_attention_heads"]),
+            num_kv_heads=raw.get("num_key_value_heads"),
+            hidden_size=int(raw["hidden_size"]),
+        )
+
+
+@dataclass(frozen=True)
+class PoolCalibration:
+    """What :func:`calibrate_on_pool` found: the layers, both probes and their configs, the
+    pool fit's out-of-fold results per source and layout, and each source left out."""
+
+    recipe: TransferRecipe
+    layer_cv_auroc: dict[int, float]
+    probes: dict[str, ProbeFit]
+    configs: dict[str, ModelProbeConfig]
+    out_of_fold: dict[str, dict[str, dict[str, Measured]]]  # kind -> source -> layout
+    left_out: dict[str, dict[str, LeftOut]]  # source -> kind
+    sources: list[str]
+    layouts: list[str]
+
+
+def _source_text(probe: ProbeFit) -> str:
+    text = (
+        f"{WRITER}: L1 logistic on {probe.fit.feature} of the heads of layers "
+        f"{list(probe.attention_layers)}"
+    )
+    if probe.last_layers:
+        layers = list(probe.last_layers)
+        text += f" and the residual stream at the last prompt token of layers {layers}"
+    if probe.data_mean_layers:
+        text += f" and averaged over the data tokens of layers {list(probe.data_mean_layers)}"
+    return text + ", from the serving probe"
+
+
+def _config(
+    probe: ProbeFit, shape: ModelShape, pool: ScoredPool, dataset: str, recipe: TransferRecipe
+) -> ModelProbeConfig:
+    """``probe`` (fitted on the pool's calibration rows) as a config with its provenance."""
+    index = pool.calibration
+    rows = [pool.rows[i] for i in index]
+    fpr = recipe.target_fpr
+    at = f"fpr@{fpr:g}"
+    thresholds = {f"worst-source {at}": round(probe.threshold, 6)}
+    thresholds.update({f"{k} {at}": round(v, 6) for k, v in probe.per_source.items()})
+    return ModelProbeConfig(
+        model_id=shape.model_id,
+        **probe.fit.probe_fields(),
+        threshold=round(float(probe.threshold), 6),
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        hidden_size=shape.hidden_size,
+        source=_source_text(probe),
+        calibration=Calibration(
+            dataset=f"{len(rows)} rows of {dataset}",
+            num_examples=len(rows),
+            sha256=pairs_sha256(rows),
+            thresholds=thresholds,
+            notes=f"C={probe.fit.c} by grouped {recipe.folds}-fold CV (AUROC "
+            f"{probe.fit.cv_auroc:.4f}); the threshold flags at most {fpr:g} of the clean rows "
+            "of every calibration source (out-of-fold focus)",
+            max_data_tokens=int(max(pool.table.data_tokens[index])),
+        ),
+    )
+
+
+def calibrate_on_pool(
+    pool: ScoredPool,
+    shape: ModelShape,
+    dataset: str,
+    recipe: TransferRecipe,
+    progress: Callable[[str], None] | None = None,
+) -> PoolCalibration:
+    """Both probes fitted on ``pool``'s calibration rows by ``recipe``, their configs, and the
+    leave-one-source-out measurements. ``dataset`` describes the rows (the configs record it
+    after their count: "<n> rows of <dataset>"); ``progress(step)`` is called after each fit."""
+    step = progress or (lambda _: None)
+    index = pool.calibration
+    if len(set(pool.labels[index].tolist())) < 2:
+        raise ConfigError(
+            f"calibration needs clean and injected rows; got {len(index)} scored rows with "
+            f"labels {sorted(set(pool.labels[index].tolist()))}"
+        )
+    attention = choose_attention_layers(pool, index, recipe)
+    step("attention layers")
+    last, layer_cv = choose_hidden_layers(pool, index, recipe, lambda layer: step(f"layer {layer}"))
+    means = recipe.data_mean_layers if recipe.data_mean_layers is not None else last[:1]
+    probes = {
+        "attention": fit_probe(pool, "attention", index, recipe, attention),
+        "combined": fit_probe(pool, "combined", index, recipe, attention, last, means),
+    }
+    step("pool fits")
+    configs = {kind: _config(probe, shape, pool, dataset, recipe) for kind, probe in probes.items()}
+    out_of_fold = {
+        kind: {
+            source: per_layout(pool, index[mask], probe.fit.oof_focus[mask], probe.threshold)
+            for source in sorted(set(pool.corpus[index].tolist()))
+            for mask in [pool.corpus[index] == source]
+        }
+        for kind, probe in probes.items()
+    }
+    return PoolCalibration(
+        recipe=recipe,
+        layer_cv_auroc=layer_cv,
+        probes=probes,
+        configs=configs,
+        out_of_fold=out_of_fold,
+        left_out=leave_one_source_out(pool, probes, recipe, lambda s: step(f"{s} left out")),
+        sources=sorted(set(pool.corpus[index].tolist())),
+        layouts=sorted(set(pool.layout[index].tolist())),
+    )

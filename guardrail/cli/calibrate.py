@@ -1,14 +1,10 @@
 """``guardrail calibrate``: score labelled rows with every head and write a model config.
 
-Without ``--data`` it calibrates on the labelled pool that installs with the package
-(:mod:`guardrail.offline.pool`) by the pool recipe (:mod:`guardrail.offline.pool_fit`), so
-``guardrail calibrate --model DIR --out DIR`` works for any model: it writes the attention-only
-config (``<name>.json``), the combined one (``<name>.combined.json``) and their report
-(leave-one-source-out table, clean rows flagged per layout, ROC curves). On the embedded
-SmolLM2 that is the writer of the shipped configs: ``guardrail calibrate --out model_configs``
-rebuilds them. With ``--data`` it fits the probe kind ``--probe`` asks for on those rows; its
-report (JSON, a per-source markdown table and, with matplotlib, ROC curves) goes next to the
-config unless ``--report`` says where.
+Without ``--data``: the packaged pool and the pool recipe (:mod:`guardrail.cli.calibrate_pool`;
+on the embedded SmolLM2, ``--out model_configs`` rebuilds the shipped configs). With ``--data``
+it fits the probe kind ``--probe`` asks for on those rows; its report (JSON, a per-source
+markdown table and, with matplotlib, ROC curves) goes next to the config unless ``--report``
+says where.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ __all__ = [
     "RPC_MODEL_INFO",
     "RPC_POP_RESULTS",
     "RPC_POP_STEERING",
+    "RPC_PUSH_RESULTS",
     "RPC_SET_FAULTS",
     "RPC_UNINSTALL",
     "RPC_UNLOAD_STEERING",
@@ -42,6 +43,7 @@ __all__ = [
     "ProbeErrorReason",
     "ProbeResultData",
     "ProbeSpec",
+    "PushedResults",
     "SteerReportData",
     "SteerSpec",
     "injected_fault_message",
@@ -76,6 +78,7 @@ RPC_INSTALL = "guardrail_install"  # (heads: [[layer, head]], config: dict, raw_
 # [layer], raw_data_mean_layers: [layer]) -> ModelInfo
 RPC_UNINSTALL = "guardrail_uninstall"  # () -> None
 RPC_POP_RESULTS = "guardrail_pop_results"  # (keys: [str]) -> PoppedResults
+RPC_PUSH_RESULTS = "guardrail_push_results"  # (address: str | None, hello: str) -> bool
 RPC_SET_FAULTS = "guardrail_set_faults"  # (keys: [str]) -> None
 
 
@@ -106,6 +109,7 @@ class ProbeSpec(TypedDict):
     stop_below: NotRequired[float]  # end the request when its focus is at or below this
     stop_on_error: NotRequired[bool]  # ... or when the probe could not score it
     stop_token: NotRequired[int]  # the token forced as its first (and only) output
+    tag: NotRequired[str]  # the caller's call: pushed back with the result (``PushedResults``)
 
 
 class SteerSpec(TypedDict):
@@ -159,6 +163,7 @@ class ProbeResultData(TypedDict):
     data_mean_states: NotRequired[list[list[Any]]]  # the same, averaged over the data tokens
     focus: NotRequired[float]  # computed in the worker when it decided an early stop
     stopped: NotRequired[bool]  # ended right after prefill
+    tag: NotRequired[str]  # the request's ``ProbeSpec.tag``, when it had one
 
 
 class PoppedResults(TypedDict):
@@ -167,6 +172,17 @@ class PoppedResults(TypedDict):
 
     heads: list[list[int]]  # [[layer, head], ...]
     results: dict[str, ProbeResultData]
+
+
+class PushedResults(TypedDict):
+    """One message a worker pushes to the caller's results socket (``RPC_PUSH_RESULTS``),
+    msgpack-encoded: first ``hello`` (the token the caller sent) with the head order of every
+    result's ``stats``, then the results of each finished step as soon as they reach the host,
+    so the caller has them when the request's first output arrives, with no pop round trip."""
+
+    hello: NotRequired[str]
+    heads: NotRequired[list[list[int]]]  # with ``hello``: as ``PoppedResults.heads``
+    results: NotRequired[dict[str, ProbeResultData]]
 
 
 class SteerReportData(TypedDict):

@@ -6,7 +6,10 @@ score is known once its prefill ran, which is when its first output arrives. So 
 chunk carries the request's ``ProbeResult``: a server can decide before the first token leaves,
 and a request stopped in-engine (``stop_below``) ends right after its prefill as before.
 
-Scores are popped from the workers in batches, never one RPC per request: a ``ResultPopper``
+Scores are pushed by the worker as soon as they reach the host (``guardrail.engine.inbox``), so
+the first chunk never waits for a round trip through the engine core, which under load serves
+one only between two steps. Where the workers cannot push (pipeline parallelism, another host),
+or a result is late, they are popped in batches, never one RPC per request: a ``ResultPopper``
 keeps at most one ``RPC_POP_RESULTS`` call in flight, and that call carries the key of every
 request whose first output arrived while the previous one ran (under load, one pop serves a
 whole engine step's worth of requests; ``popper.calls`` and ``popper.popped`` count them).
@@ -48,6 +51,7 @@ from guardrail.engine.engine_process import (
     is_engine_dead_error,
 )
 from guardrail.engine.hooked_base import HookedBase, refused_as_not_guardable
+from guardrail.engine.inbox import PUSH_WAIT_S, ResultInbox, no_push_args, pushed
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
     check_self_test,
@@ -78,6 +82,7 @@ from guardrail.protocol import (
     RPC_INSTALL,
     RPC_MODEL_INFO,
     RPC_POP_RESULTS,
+    RPC_PUSH_RESULTS,
     ModelInfo,
     PoppedResults,
 )
@@ -234,8 +239,38 @@ class AsyncHookedLLM(HookedBase):
             self.model_info = (await self._rpc(RPC_INSTALL, args=install.rpc_args))[0]
             if install.reset_prefix_cache:
                 await self.engine.reset_prefix_cache()
+            await self._start_push()
         # Refuse to run unguarded: one real request must come back scored.
         check_self_test((await self.generate([SELF_TEST_REQUEST], self.sampling(max_tokens=1)))[0])
+
+    async def _start_push(self) -> None:
+        """Have the workers push results here (``guardrail.engine.inbox``), or keep popping."""
+        inbox = ResultInbox()
+        weakref.finalize(self, inbox.close)
+        ranks = await self._rpc(RPC_PUSH_RESULTS, args=inbox.push_args)
+        if await asyncio.to_thread(inbox.accepted, ranks):
+            self._inbox = inbox
+            return
+        await self._rpc(RPC_PUSH_RESULTS, args=no_push_args())
+        inbox.close()
+
+    async def _results(self, key: str, tag: str) -> PerRank:
+        """Every rank's results of ``key`` (as ``ProbeClient.result`` takes them): pushed, or
+        popped when it did not arrive in time (a pop first waits for the worker's pusher, so
+        the result is then either popped or on its way here)."""
+        inbox = self._inbox
+        if inbox is None:
+            return await self.popper.pop(key)
+        try:
+            found = await asyncio.wait_for(inbox.future(key, tag), PUSH_WAIT_S)
+            return [pushed(inbox, {key: found})]
+        except TimeoutError:
+            inbox.unwait(key, tag)
+        per_rank = await self.popper.pop(key)
+        if any(key in rank["results"] for rank in per_rank):
+            return per_rank
+        late = await asyncio.to_thread(inbox.take, [key], tag, PUSH_WAIT_S)
+        return [pushed(inbox, late), *per_rank]
 
     async def _rpc(self, method: str, **kwargs: Any) -> Any:
         return await self.engine.collective_rpc(method, **kwargs)
@@ -306,8 +341,9 @@ class AsyncHookedLLM(HookedBase):
         Raises ``RequestError`` for an invalid request or argument (before anything runs),
         ``EngineDeadError`` or ``EngineClosedError`` when the engine cannot answer.
         """
+        tag = uuid.uuid4().hex  # this call's: a result pushed for an earlier one is not taken
         prompt, params, key = await self._request(
-            request, sampling_params, stop_below, stop_on_probe_error, probe_key
+            request, sampling_params, stop_below, stop_on_probe_error, probe_key, tag
         )
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -326,7 +362,7 @@ class AsyncHookedLLM(HookedBase):
                             "the engine returned the output of another request; not used"
                         )
                     popped = True
-                    probe = self.probe.result(await self.popper.pop(key), key)
+                    probe = self.probe.result(await self._results(key, tag), key)
                     chunk = chunk.first(prompt, probe, int(out.num_cached_tokens or 0))
                 yield chunk
         except GuardrailError:
@@ -337,7 +373,9 @@ class AsyncHookedLLM(HookedBase):
                 raise self._dead(exc) from exc
             raise
         finally:
-            if not popped and self._engine is not None:
+            if not popped and self._inbox is not None:
+                self._inbox.forget(key, tag)
+            elif not popped and self._engine is not None:
                 self.popper.forget(key)
 
     async def _request(
@@ -347,6 +385,7 @@ class AsyncHookedLLM(HookedBase):
         stop_below: Any,
         stop_on_probe_error: Any,
         probe_key: str | None,
+        tag: str,
     ) -> tuple[PreparedPrompt, Any, str]:
         """Check one request's arguments and build its prompt, params (with the probe spec)
         and probe key. Raises ``RequestError`` naming what was wrong."""
@@ -369,7 +408,7 @@ class AsyncHookedLLM(HookedBase):
         loop = asyncio.get_running_loop()
         prepared = await loop.run_in_executor(self._preparer, self.prepare, request)
         try:
-            spec = self.probe.spec(prepared, key, params, stop_below, stop_on_probe_error)
+            spec = self.probe.spec(prepared, key, params, stop_below, stop_on_probe_error, tag)
         except ConfigError as exc:
             raise RequestError(str(exc)) from exc
         return prepared, self.probe.attach(params, spec), key
@@ -462,6 +501,8 @@ class AsyncHookedLLM(HookedBase):
         engine, self._engine = self._engine, None
         if engine is None:
             return
+        if self._inbox is not None:
+            self._inbox.close()
         self._preparer.shutdown(wait=False, cancel_futures=True)
         if self._finalizer is not None and self._finalizer.alive:
             self._finalizer()  # _close_engine(engine, supervisor), once

@@ -192,14 +192,18 @@ class ProbeClient:
         params: Any,
         stop_below: float | None = None,
         stop_on_error: bool = True,
+        tag: str | None = None,
     ) -> ProbeSpec:
-        """The request's spec; with ``stop_below`` it also asks for an early stop."""
+        """The request's spec; with ``stop_below`` it also asks for an early stop. With
+        ``tag`` (the call's) its result is pushed to the caller (``guardrail.engine.inbox``)."""
         spec: ProbeSpec = {
             "key": key,
             "instruction": [list(s) for s in prepared.instruction_spans],
             "data": [list(s) for s in prepared.data_spans],
             "num_prompt_tokens": len(prepared.token_ids),
         }
+        if tag is not None:
+            spec["tag"] = tag
         if stop_below is None:
             return spec
         if self.pp_size != 1:

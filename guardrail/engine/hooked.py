@@ -28,6 +28,7 @@ from guardrail.embedded import model_or_embedded
 from guardrail.engine.client import PerRequestArgs, per_request_args
 from guardrail.engine.engine_process import EngineHandle, abort_unfinished
 from guardrail.engine.hooked_base import HookedBase, refused_as_not_guardable
+from guardrail.engine.inbox import PUSH_WAIT_S, ResultInbox, no_push_args, pushed
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
     check_self_test,
@@ -50,9 +51,11 @@ from guardrail.protocol import (
     RPC_INSTALL,
     RPC_MODEL_INFO,
     RPC_POP_RESULTS,
+    RPC_PUSH_RESULTS,
     RPC_SET_FAULTS,
     STEER_ARG,
     ModelInfo,
+    PoppedResults,
 )
 from guardrail.steering import SteeringVector
 from guardrail.steering.spec import Steering, SteeringLike
@@ -155,8 +158,35 @@ class HookedLLM(HookedBase):
             self.model_info = llm.collective_rpc(RPC_INSTALL, args=install.rpc_args)[0]
             if install.reset_prefix_cache:
                 llm.reset_prefix_cache()
+            self._start_push(llm)
         # Refuse to run unguarded: one real request must come back scored.
         check_self_test(self.generate([SELF_TEST_REQUEST], self.sampling(max_tokens=1))[0])
+
+    def _start_push(self, llm: Any) -> None:
+        """Have the workers push results here (``guardrail.engine.inbox``), or keep popping."""
+        inbox = ResultInbox()
+        weakref.finalize(self, inbox.close)
+        if inbox.accepted(llm.collective_rpc(RPC_PUSH_RESULTS, args=inbox.push_args)):
+            self._inbox = inbox
+            return
+        llm.collective_rpc(RPC_PUSH_RESULTS, args=no_push_args())
+        inbox.close()
+
+    def _results(self, llm: Any, keys: list[str], tag: str) -> list[PoppedResults]:
+        """Every rank's results of ``keys`` (one per rank, as ``ProbeClient.result`` takes
+        them): pushed ones as they arrived, the rest popped (a pop first waits for the
+        worker's pusher, so a result is then either popped or on its way here)."""
+        inbox = self._inbox
+        if inbox is None:
+            return list(llm.collective_rpc(RPC_POP_RESULTS, args=(keys,)))
+        found = inbox.take(keys, tag, PUSH_WAIT_S)
+        if len(found) == len(keys):
+            return [pushed(inbox, found)]
+        missing = [k for k in keys if k not in found]
+        per_rank = list(llm.collective_rpc(RPC_POP_RESULTS, args=(missing,)))
+        popped = {k for rank in per_rank for k in rank["results"]}
+        late = inbox.take([k for k in missing if k not in popped], tag, PUSH_WAIT_S)
+        return [pushed(inbox, {**found, **late}), *per_rank]
 
     def prepare(self, request: RequestLike) -> PreparedPrompt:
         """Render one request into token ids and spans (raises ``RequestError`` if invalid)."""
@@ -218,7 +248,7 @@ class HookedLLM(HookedBase):
         use_tqdm: bool,
     ) -> list[GuardedOutput]:
         outputs: list[GuardedOutput | None] = [None] * len(requests)
-        batch = _Batch()
+        batch = _Batch(tag=uuid.uuid4().hex)
         try:
             # Rendered and enqueued a group at a time: the engine starts on the first group
             # while the rest are rendered and tokenized (as vLLM's own generate does with text).
@@ -230,14 +260,13 @@ class HookedLLM(HookedBase):
             # in the order they were enqueued (vLLM sorts them by its request counter)
             results = llm.wait_for_completion(use_tqdm=use_tqdm) if batch.sent else []
         except BaseException:
-            self._after_failed_generate(llm, [k for *_, k in batch.sent], batch.steered)
+            self._after_failed_generate(llm, batch)
             raise
         sent, steered = batch.sent, batch.steered
         if not sent:
             return [o for o in outputs if o is not None]
         sent_keys = [k for *_, k in sent]
-        # pop right away: a reused key must never find a stale score
-        per_rank = llm.collective_rpc(RPC_POP_RESULTS, args=(sent_keys,))
+        per_rank = self._results(llm, sent_keys, batch.tag)
         reports = self.steering.reports(steered)
         _check_order(sent, results)
         for (i, prepared, key), result in zip(sent, results, strict=True):
@@ -279,7 +308,9 @@ class HookedLLM(HookedBase):
                     raise prepared
                 key = args.probe_keys[i] or uuid.uuid4().hex
                 stop_below, on_error = args.stop_below[i], bool(args.stop_on_probe_error[i])
-                spec = self.probe.spec(prepared, key, args.params[i], stop_below, on_error)
+                spec = self.probe.spec(
+                    prepared, key, args.params[i], stop_below, on_error, tag=batch.tag
+                )
             except GuardrailError as exc:  # this request alone fails
                 outputs[i] = GuardedOutput(index=i, prompt=None, error=exc)
                 continue
@@ -294,17 +325,17 @@ class HookedLLM(HookedBase):
             batch.sent.append((i, prepared, key))
         return prompts, group_params
 
-    def _after_failed_generate(
-        self, llm: Any, keys: list[str], steered: Mapping[str, ResolvedSteering]
-    ) -> None:
+    def _after_failed_generate(self, llm: Any, batch: _Batch) -> None:
         """A failed or interrupted batch must leave nothing behind for the next call: abort its
-        unfinished requests, pop its results and reports. Never masks the original error."""
-        if self._handle.dead:
-            return
-        with contextlib.suppress(Exception):
-            abort_unfinished(llm)
-            llm.collective_rpc(RPC_POP_RESULTS, args=(keys,))
-            self.steering.reports(steered)
+        unfinished requests, pop its results and reports (its pushed results carry its tag,
+        which no later call takes). Never masks the original error."""
+        if not self._handle.dead:
+            with contextlib.suppress(Exception):
+                abort_unfinished(llm)
+                llm.collective_rpc(RPC_POP_RESULTS, args=([k for *_, k in batch.sent],))
+                self.steering.reports(batch.steered)
+        if self._inbox is not None:
+            self._inbox.drop(batch.tag)
 
     def score(self, requests: Sequence[RequestLike]) -> list[GuardedOutput]:
         """Run the probe alone: prefill plus one sampled token, no text worth reading."""
@@ -384,6 +415,8 @@ class HookedLLM(HookedBase):
         """Shut the engine down, free its memory, and make sure none of its processes or shared
         memory is left. Idempotent; waits for a call another thread is running."""
         self._handle.close()
+        if self._inbox is not None:
+            self._inbox.close()
         self._finalizer.detach()
 
     def __enter__(self) -> HookedLLM:
@@ -398,6 +431,7 @@ class _Batch:
     """What one ``generate`` call has sent so far: (index, prompt, probe key) per request, in
     order, and the steered requests by key."""
 
+    tag: str  # sent with every request's probe spec: its pushed result comes back with it
     sent: list[tuple[int, PreparedPrompt, str]] = field(default_factory=list)
     steered: dict[str, ResolvedSteering] = field(default_factory=dict)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from guardrail.engine.client import ProbeClient
+from guardrail.engine.inbox import ResultInbox
 from guardrail.engine.install import check_served_model, heads_to_score
 from guardrail.errors import EngineNotGuardableError
 from guardrail.probe.config import ModelProbeConfig
@@ -63,6 +64,7 @@ class HookedBase:
     probe_hidden_layers: list[int]
     probe_data_mean_layers: list[int]
     _tokenizer: Any
+    _inbox: ResultInbox | None = None  # where the workers push results (None: they are popped)
     chat_template: str | None = None
     """The Jinja chat template every request is rendered with, as ``vllm serve --chat-template``
     (None: the tokenizer's own); set it before the first request. It is passed to each render,

@@ -15,6 +15,7 @@ from typing import Any
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.protocol import ModelInfo, PoppedResults, SteerReportData
 from guardrail.worker import lifecycle
+from guardrail.worker.outbox import ResultPusher
 from guardrail.worker.probe import PROBES, Probe, install_probe, uninstall_probe
 from guardrail.worker.steering import SteeringHooks
 
@@ -33,6 +34,7 @@ class GuardrailWorkerExtension:
     _guardrail_probe: Probe | None = None
     _guardrail_steering: SteeringHooks | None = None
     _guardrail_faults: set[str] | None = None
+    _guardrail_pusher: ResultPusher | None = None
 
     # -- facts -----------------------------------------------------------------------------------
     def guardrail_model_info(self) -> ModelInfo:
@@ -126,6 +128,7 @@ class GuardrailWorkerExtension:
 
     def guardrail_uninstall(self) -> None:
         """Remove the probe; the engine runs exactly as before it was installed."""
+        self.guardrail_push_results(None, "")
         if self._guardrail_probe is not None:
             uninstall_probe(self._guardrail_probe)
         self._guardrail_probe = None
@@ -138,6 +141,28 @@ class GuardrailWorkerExtension:
         if probe is None:
             return {"heads": [], "results": {}}
         return {"heads": probe.head_order, "results": probe.pop(keys)}
+
+    def guardrail_push_results(self, address: str | None, hello: str) -> bool:
+        """Push results to the caller's socket at ``address`` (``guardrail.worker.outbox``),
+        starting with ``hello``; None stops. Returns whether this rank pushes: rank 0 of
+        tensor parallelism does (after the ranks combined their heads it holds every head),
+        the other ranks then keep no results; with pipeline parallelism nobody does (each
+        stage holds its own layers) and results are popped."""
+        from vllm.distributed import parallel_state
+
+        if self._guardrail_pusher is not None:
+            self._guardrail_pusher.close()
+            self._guardrail_pusher = None
+        probe = self._guardrail_probe
+        if probe is None or address is None or probe.settings.pp_size > 1:
+            if probe is not None:
+                probe.store.discard = False
+            return False
+        if parallel_state.get_tensor_model_parallel_rank() != 0:
+            probe.store.discard = True
+            return False
+        self._guardrail_pusher = ResultPusher(address, probe.store, hello, probe.head_order)
+        return True
 
     def guardrail_set_faults(self, keys: list[str]) -> None:
         """Testing hook: requests with these probe keys fail inside the probe."""

@@ -398,6 +398,13 @@ class Probe:
                 rows.fail_all(f"probe: {type(exc).__name__}: {exc}", ProbeErrorReason.PROBE)
                 table, focus = {}, None
         self._decide_stops(rows, focus, table.get("flags"))
+        if not self.store.discard:
+            self._to_host(rows, table)
+        if rows.stats is not None and not self.group_tried:
+            self._form_group()
+
+    def _to_host(self, rows: StepRows, table: dict[str, torch.Tensor]) -> None:
+        """The step's table to the host in one non-blocking copy, into the store."""
         columns: dict[str, slice] = {}
         flat = []
         at = 0
@@ -410,7 +417,7 @@ class Probe:
         if flat:
             device_table = torch.cat(flat, dim=1)
             if device_table.device.type == "cuda":
-                buffer = self.store.tables.take(device_table.numel())
+                buffer = self.store.take_buffer(device_table.numel())
                 host = buffer[: device_table.numel()].view(device_table.shape)
                 host.copy_(device_table, non_blocking=True)
                 event = torch.cuda.Event()
@@ -420,8 +427,6 @@ class Probe:
         else:
             host = torch.empty(0, 0, dtype=torch.float64)
         self.store.add(FinishedStep(rows, host, buffer, event, columns, self.probe_seconds))
-        if rows.stats is not None and not self.group_tried:
-            self._form_group()
 
     def pop(self, keys: list[str]) -> dict[str, ProbeResultData]:
         """Remove and return the stored results of ``keys`` (missing keys are absent)."""

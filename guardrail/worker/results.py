@@ -1,14 +1,19 @@
-"""The probe's results between the end of a step and the caller's pop.
+"""The probe's results between the end of a step and the caller.
 
 Each step ends with its table on its way to the host (``FinishedStep``: a non-blocking copy and
-its event). ``ResultStore.pop`` turns the finished steps into one result per request, by key,
+its event). Where the caller listens (``guardrail.worker.outbox``), the step goes to the pusher,
+which sends its results as soon as the copy lands. Otherwise, and for whatever the pusher could
+not send, ``ResultStore.pop`` turns the finished steps into one result per request, by key,
 waiting for their copies only then, and hands the popped ones over; at most
-``MAX_STORED_RESULTS`` wait (the oldest go first).
+``MAX_STORED_RESULTS`` wait (the oldest go first). The store is shared by vLLM's thread (``add``,
+``pop``) and the pusher's (``take``): ``lock`` guards it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,37 +47,62 @@ class ResultStore:
         self.term_layers: list[int] = []  # the layers of the hidden terms, in table order
         self.results: OrderedDict[str, ProbeResultData] = OrderedDict()
         self.finished: deque[FinishedStep] = deque()
+        self.lock = threading.Lock()
+        self.discard = False  # another rank sends this engine's results: keep none
+        # where finished steps go instead of ``finished`` (the pusher), and a wait for it
+        self.push: Callable[[FinishedStep], None] | None = None
+        self.flush: Callable[[], None] = lambda: None
+
+    def take_buffer(self, size: int) -> torch.Tensor:
+        """A pinned buffer for a step's table (``PinnedTables.take``, under the lock)."""
+        with self.lock:
+            return self.tables.take(size)
 
     def add(self, done: FinishedStep) -> None:
         """A finished step, its copy to the host possibly still running."""
-        self.finished.append(done)
+        if self.push is not None:
+            self.push(done)
+            return
+        with self.lock:
+            self.finished.append(done)
 
     def pop(self, keys: list[str]) -> dict[str, ProbeResultData]:
-        """Remove and return the stored results of ``keys`` (missing keys are absent)."""
-        self._drain()
-        return {k: self.results.pop(k) for k in keys if k in self.results}
+        """Remove and return the stored results of ``keys`` (missing keys are absent). Waits
+        for the pusher first: a result is then either sent already or here."""
+        self.flush()
+        with self.lock:
+            while self.finished:
+                self.keep(self.take(self.finished.popleft()))
+            return {k: self.results.pop(k) for k in keys if k in self.results}
 
-    def _drain(self) -> None:
-        """Turn every finished step's table into results by key (waits for its copy)."""
-        while self.finished:
-            done = self.finished.popleft()
-            if done.event is not None:
-                done.event.synchronize()
-            values = done.table.numpy()  # [K, columns] float64, one line per row in ``ok``
-            rows = done.rows
-            at = {i: r for r, i in enumerate(rows.ok)}
-            for i, key in enumerate(rows.keys):
-                result: ProbeResultData = {
-                    "num_prompt_tokens": rows.num_prompt_tokens[i],
-                    "probe_seconds": done.seconds / max(len(rows), 1),
-                }
-                row = values[at[i]] if i in at and values.size else None
-                self._fill(result, rows, i, row, done.columns)
-                self.results[key] = result
-            if done.buffer is not None:  # every value was copied out of it
-                self.tables.give(done.buffer)
-            while len(self.results) > MAX_STORED_RESULTS:
-                self.results.popitem(last=False)
+    def keep(self, results: dict[str, ProbeResultData]) -> None:
+        """Store results until popped (under the lock): at most ``MAX_STORED_RESULTS``."""
+        self.results.update(results)
+        while len(self.results) > MAX_STORED_RESULTS:
+            self.results.popitem(last=False)
+
+    def take(self, done: FinishedStep) -> dict[str, ProbeResultData]:
+        """A finished step's results by key (waits for its copy; call under the lock)."""
+        if done.event is not None:
+            done.event.synchronize()
+        values = done.table.numpy()  # [K, columns] float64, one line per row in ``ok``
+        rows = done.rows
+        at = {i: r for r, i in enumerate(rows.ok)}
+        results = {}
+        for i, key in enumerate(rows.keys):
+            result: ProbeResultData = {
+                "num_prompt_tokens": rows.num_prompt_tokens[i],
+                "probe_seconds": done.seconds / max(len(rows), 1),
+            }
+            tag = rows.tags[i] if i < len(rows.tags) else None
+            if tag is not None:
+                result["tag"] = tag
+            row = values[at[i]] if i in at and values.size else None
+            self._fill(result, rows, i, row, done.columns)
+            results[key] = result
+        if done.buffer is not None:  # every value was copied out of it
+            self.tables.give(done.buffer)
+        return results
 
     def _fill(
         self,

@@ -59,6 +59,7 @@ class StepRows:
     in ``ok`` (those without a host-side error), in that order."""
 
     keys: list[str] = field(default_factory=list)
+    tags: list[str | None] = field(default_factory=list)  # the specs' ``tag`` (pushed results)
     batch_index: list[int] = field(default_factory=list)
     num_prompt_tokens: list[int] = field(default_factory=list)
     errors: list[str | None] = field(default_factory=list)
@@ -158,6 +159,8 @@ def plan_rows(
         if error is None and spec["key"] in faults:
             error, reason = fault_message, ProbeErrorReason.LAYER
         rows.keys.append(spec["key"])
+        tag = spec.get("tag")
+        rows.tags.append(tag if isinstance(tag, str) else None)
         rows.batch_index.append(batch_index)
         rows.num_prompt_tokens.append(n)
         rows.errors.append(error)

@@ -86,8 +86,36 @@ def test_multiprocess_engine_scores_equal_hf_eager(tiny_llama_dir):
         engine.generate(batch, engine.sampling(max_tokens=1))
         again = engine.generate(batch, engine.sampling(max_tokens=1))
         assert_matches_reference(tiny_llama_dir, again, list(engine.config.heads))
+        # the scores came from the worker's pusher, across processes (not from pops)
+        assert engine._inbox is not None and engine._inbox.received >= 2 * len(batch)
     finally:
         engine.close()
+
+
+def test_results_are_pushed_and_popped_when_the_push_stops(tiny_engine):
+    """Results reach the caller pushed by the worker; with the push stopped (as for a worker
+    that cannot reach the caller) they are popped, with the same scores."""
+    from guardrail.protocol import RPC_PUSH_RESULTS
+
+    inbox = tiny_engine._inbox
+    assert inbox is not None
+    batch = mixed_batch()[:6]
+    received = inbox.received
+    pushed = tiny_engine.generate(batch, tiny_engine.sampling(max_tokens=1))
+    assert inbox.received - received == len(batch)
+    tiny_engine.llm.collective_rpc(RPC_PUSH_RESULTS, args=(None, ""))
+    try:
+        received = inbox.received
+        popped = tiny_engine.generate(batch, tiny_engine.sampling(max_tokens=1))
+        assert inbox.received == received  # nothing pushed: every score was popped
+    finally:
+        assert tiny_engine.llm.collective_rpc(RPC_PUSH_RESULTS, args=inbox.push_args)[0]
+    for a, b in zip(pushed, popped, strict=True):
+        assert a.probe.error is None and b.probe.error is None
+        assert a.probe.focus == pytest.approx(b.probe.focus, abs=1e-6)
+    received = inbox.received
+    tiny_engine.generate(batch[:2], tiny_engine.sampling(max_tokens=1))
+    assert inbox.received - received == 2  # pushing again
 
 
 def test_probe_does_not_change_generated_text(tiny_engine):

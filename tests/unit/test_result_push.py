@@ -1,0 +1,123 @@
+"""Pushed probe results: the worker's ``ResultPusher`` and the caller's ``ResultInbox`` over a
+real ZeroMQ socket, with the worker's real ``ResultStore`` (CPU tables, no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from guardrail.engine.inbox import ResultInbox
+from guardrail.worker.outbox import ResultPusher
+from guardrail.worker.results import FinishedStep, ResultStore
+from guardrail.worker.rows import FLAG_MESSAGES, StepRows
+
+HEADS = [[0, 1], [2, 3]]
+WIDTH = 5  # stats per head
+
+
+def finished_step(keys: list[str], tags: list[str | None]) -> FinishedStep:
+    """A step whose every row was scored: row r's stats are r, r+0.1, ... (two heads)."""
+    n = len(keys)
+    rows = StepRows(
+        keys=list(keys),
+        tags=list(tags),
+        num_prompt_tokens=[10 + r for r in range(n)],
+        errors=[None] * n,
+        reasons=[None] * n,
+        stop_below=[None] * n,
+        stop_on_error=[True] * n,
+        stop_token=[None] * n,
+        has_data=[True] * n,
+        ok=list(range(n)),
+    )
+    stats = np.array([[r + 0.1 * c for c in range(2 * WIDTH)] for r in range(n)])
+    flags = np.zeros((n, len(FLAG_MESSAGES)))
+    table = torch.from_numpy(np.concatenate([stats, flags], axis=1))
+    columns = {
+        "stats": slice(0, 2 * WIDTH),
+        "flags": slice(2 * WIDTH, 2 * WIDTH + len(FLAG_MESSAGES)),
+        "terms": slice(0, 0),
+    }
+    return FinishedStep(rows, table, None, None, columns, 0.002)
+
+
+@pytest.fixture
+def inbox():
+    box = ResultInbox()
+    yield box
+    box.close()
+
+
+def test_pushed_results_arrive_with_hello_heads_and_values(inbox):
+    store = ResultStore()
+    pusher = ResultPusher(inbox.address, store, inbox.hello, HEADS)
+    try:
+        assert inbox.accepted([True]) and inbox.heads == HEADS
+        store.add(finished_step(["a", "b"], ["t1", "t1"]))
+        got = inbox.take(["a", "b"], "t1", 5.0)
+        assert sorted(got) == ["a", "b"]
+        stats = np.frombuffer(got["b"]["stats"], dtype=np.float64)
+        assert stats.tolist() == pytest.approx([1 + 0.1 * c for c in range(2 * WIDTH)])
+        assert got["b"]["num_prompt_tokens"] == 11 and got["b"]["tag"] == "t1"
+        pusher.flush()
+        assert pusher.sent == 2
+        assert store.pop(["a", "b"]) == {}  # sent, so no longer in the worker
+    finally:
+        pusher.close()
+
+
+def test_untagged_results_stay_for_a_pop_and_other_tags_are_not_taken(inbox):
+    store = ResultStore()
+    pusher = ResultPusher(inbox.address, store, inbox.hello, HEADS)
+    try:
+        store.add(finished_step(["raw", "old", "new"], [None, "earlier-call", "this-call"]))
+        assert sorted(inbox.take(["new"], "this-call", 5.0)) == ["new"]
+        # the same key from an earlier call is never taken by this one
+        assert inbox.take(["old"], "this-call", 0.2) == {}
+        popped = store.pop(["raw", "old"])
+        assert sorted(popped) == ["raw"] and "tag" not in popped["raw"]
+    finally:
+        pusher.close()
+
+
+def test_a_pop_waits_for_the_pusher_then_the_store_pops_again(inbox):
+    store = ResultStore()
+    pusher = ResultPusher(inbox.address, store, inbox.hello, HEADS)
+    store.add(finished_step(["k"], ["t"]))
+    assert store.pop(["k"]) == {}  # flushed: sent, not stored
+    assert "k" in inbox.take(["k"], "t", 5.0)
+    pusher.close()
+    assert store.push is None
+    store.add(finished_step(["k2"], ["t"]))
+    assert sorted(store.pop(["k2"])) == ["k2"]  # no pusher: stored and popped as before
+
+
+def test_async_future_and_a_given_up_future(inbox):
+    store = ResultStore()
+    pusher = ResultPusher(inbox.address, store, inbox.hello, HEADS)
+
+    async def main() -> tuple[int, dict]:
+        waiting = inbox.future("a", "t")
+        store.add(finished_step(["a"], ["t"]))
+        first = await asyncio.wait_for(waiting, 5.0)
+        # a future given up by a timeout: the result arriving later is kept for take
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(inbox.future("b", "t"), 0.05)
+        store.add(finished_step(["b"], ["t"]))
+        late = await asyncio.to_thread(inbox.take, ["b"], "t", 5.0)
+        return first["num_prompt_tokens"], late
+
+    try:
+        tokens, late = asyncio.run(main())
+        assert tokens == 10 and sorted(late) == ["b"]
+    finally:
+        pusher.close()
+
+
+def test_a_silent_worker_is_not_accepted(inbox, monkeypatch):
+    monkeypatch.setattr("guardrail.engine.inbox.HELLO_TIMEOUT_S", 0.2)
+    assert not inbox.accepted([True])  # nobody said hello
+    assert not inbox.accepted([False])  # no rank pushes (pipeline parallelism)

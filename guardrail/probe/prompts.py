@@ -51,6 +51,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from guardrail.errors import RequestError
+from guardrail.probe.token_offsets import ByteTable, byte_table, char_offsets
 
 SpanKind = Literal["instruction", "data", "other"]
 TRUSTED_ROLES = frozenset({"system", "user", "developer"})
@@ -253,6 +254,9 @@ class _Vocab:
     unk_id: int | None
     encode_text: Callable[[str], _Encoding]  # tokenize as text: special tokens not recognised
     encode_batch: Callable[[list[str]], list[_Encoding]] | None  # the usual encoding, batched
+    # the usual encoding's ids alone, and the table their offsets follow from (``_ids_encoder``)
+    encode_ids: Callable[[list[str]], list[list[int]]] | None = None
+    byte_table: ByteTable | None = None
     # roles of a request's messages, its markup (``_markup_key``) and the chat template given
     # (None: the tokenizer's own) -> (the template rendered with placeholders, the tag in them)
     skeletons: dict[tuple[tuple[str, ...], str, str | None], tuple[str, str]] = field(
@@ -313,27 +317,52 @@ def _text_encoder(tokenizer: Any) -> Callable[[str], _Encoding]:
     return encode_split
 
 
-def _batch_encoder(tokenizer: Any) -> Callable[[list[str]], list[_Encoding]] | None:
-    """The usual encoding of many texts by a private copy of a fast tokenizer's backend: what
-    ``tokenizer(texts, add_special_tokens=False)`` computes, without its per-token Python
-    conversion. None for a tokenizer without such a backend.
+def _batch_encoder(whole: Any) -> Callable[[list[str]], list[_Encoding]]:
+    """The usual encoding of many texts by ``whole``, a private copy of a fast tokenizer's
+    backend (``_private_backend``): what ``tokenizer(texts, add_special_tokens=False)``
+    computes, without its per-token Python conversion.
 
     A batch is encoded by a few threads of this module's own (``ENCODE_THREADS``; the backend
     releases the GIL while it encodes), never by the tokenizer's batch call, whose thread pool
     takes every core of the machine: next to a vLLM engine core that needs one to keep the GPU
     fed, that cost more than it saved (measured on the H200, docs/gpu.md)."""
-    # special tokens recognised: the template's markup must yield its control tokens
-    whole = _private_backend(tokenizer, encode_special_tokens=False)
-    if whole is None:
-        return None
     encode = functools.partial(whole.encode, add_special_tokens=False)
 
     def encode_batch(texts: list[str]) -> list[_Encoding]:
-        pool = _encode_pool() if len(texts) >= MIN_THREADED_BATCH else None
-        encodings = list(map(encode, texts) if pool is None else pool.map(encode, texts))
+        encodings = _mapped(encode, texts)
         return [(e.ids, e.offsets) for e in encodings]
 
     return encode_batch
+
+
+def _ids_encoder(whole: Any) -> tuple[Callable[[list[str]], list[list[int]]], ByteTable] | None:
+    """The usual encoding's ids alone, by ``whole`` (as for ``_batch_encoder``), and the table
+    their character offsets follow from; None unless ``whole`` has that shape
+    (``token_offsets.byte_table``).
+
+    ``encode_batch_fast`` skips the offsets, a fifth to a third of the encode. It is called with one
+    text at a time, on this module's threads as above: with many texts it would spread them over
+    the tokenizer's own thread pool, every core of the machine."""
+    table = byte_table(whole) if hasattr(whole, "encode_batch_fast") else None
+    if table is None:
+        return None
+    encode_one = functools.partial(whole.encode_batch_fast, add_special_tokens=False)
+
+    def ids_of(text: str) -> list[int]:
+        ids: list[int] = encode_one([text])[0].ids
+        return ids
+
+    def encode_ids(texts: list[str]) -> list[list[int]]:
+        return _mapped(ids_of, texts)
+
+    return encode_ids, table
+
+
+def _mapped(encode: Callable[[str], _T], texts: list[str]) -> list[_T]:
+    """``encode`` of each text: in the caller's thread, or on the encoding threads for a batch
+    of ``MIN_THREADED_BATCH`` or more."""
+    pool = _encode_pool() if len(texts) >= MIN_THREADED_BATCH else None
+    return list(map(encode, texts) if pool is None else pool.map(encode, texts))
 
 
 def _encode_threads() -> int:
@@ -377,12 +406,17 @@ def _vocab(tokenizer: Any) -> _Vocab:
     for name, i in zip(names, ids, strict=False):
         control.setdefault(int(i), str(name))
     unk = getattr(tokenizer, "unk_token_id", None)
+    # special tokens recognised: the template's markup must yield its control tokens
+    whole = _private_backend(tokenizer, encode_special_tokens=False)
+    fast = None if whole is None else _ids_encoder(whole)
     vocab = _Vocab(
         size,
         control,
         unk,
         _text_encoder(tokenizer),
-        _batch_encoder(tokenizer),
+        None if whole is None else _batch_encoder(whole),
+        encode_ids=None if fast is None else fast[0],
+        byte_table=None if fast is None else fast[1],
         max_token_chars=_max_token_chars(tokenizer),
     )
     try:
@@ -756,21 +790,64 @@ def _encode_failure(failure: str) -> RequestError:
 
 
 def _encode_whole(tokenizer: Any, texts: list[str]) -> list[_Encoding | RequestError]:
-    """Each text's usual encoding, all in one tokenizer call (a fast tokenizer encodes a batch
-    in parallel); if the batch call fails, each text is tried alone so one bad text fails alone."""
+    """Each text's usual encoding with the tokenizer's offsets (a fast tokenizer's private
+    backend, on the encoding threads for a batch); one text that fails fails alone."""
+    encode_batch = _vocab(tokenizer).encode_batch
+    if encode_batch is None:
+
+        def encode_batch(texts: list[str]) -> list[_Encoding]:
+            encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+            pairs = zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
+            return [(list(ids), [(int(a), int(b)) for a, b in offsets]) for ids, offsets in pairs]
+
+    return _each(encode_batch, texts)
+
+
+def _each(
+    encode_batch: Callable[[list[str]], list[_T]], texts: list[str]
+) -> list[_T | RequestError]:
+    """``encode_batch(texts)``; if it fails, each text is tried alone so one bad text fails
+    alone, as a ``RequestError``."""
     try:
-        encode_batch = _vocab(tokenizer).encode_batch
-        if encode_batch is not None:
-            return list(encode_batch(texts))
-        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        return [
-            (list(ids), [(int(a), int(b)) for a, b in offsets])
-            for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
-        ]
+        return list(encode_batch(texts))
     except Exception as exc:  # the tokenizer's message could quote the text: not kept
         if len(texts) == 1:
             return [_encode_failure(type(exc).__name__)]
-    return [_encode_whole(tokenizer, [text])[0] for text in texts]
+    return [_each(encode_batch, [text])[0] for text in texts]
+
+
+_Whole = tuple[list[int], np.ndarray]  # token ids, and their character offsets [tokens, 2]
+
+
+def _encode_bounded(tokenizer: Any, texts: list[str]) -> list[_Whole | RequestError]:
+    """Each text's usual encoding (``_encode_whole``'s ids and offsets), cheaper where the
+    offsets follow from the ids (``token_offsets``): the ids alone are encoded and their
+    offsets computed; a text whose ids do not spell it is encoded again with offsets."""
+    vocab = _vocab(tokenizer)
+    if vocab.encode_ids is None or vocab.byte_table is None:
+        return [_with_bounds(whole) for whole in _encode_whole(tokenizer, texts)]
+    encoded = _each(vocab.encode_ids, texts)
+    results: list[_Whole | RequestError] = []
+    for text, ids in zip(texts, encoded, strict=True):
+        bounds = (
+            None if isinstance(ids, RequestError) else char_offsets(vocab.byte_table, text, ids)
+        )
+        if bounds is None or isinstance(ids, RequestError):
+            # the tokenizer changed or dropped some of the text: its own offsets
+            results.append(_with_bounds(_encode_whole(tokenizer, [text])[0]))
+        else:
+            results.append((ids, bounds))
+    return results
+
+
+def _with_bounds(whole: _Encoding | RequestError) -> _Whole | RequestError:
+    return whole if isinstance(whole, RequestError) else (whole[0], _bounds(whole[1]))
+
+
+def _bounds(offsets: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Offsets as an array [tokens, 2]."""
+    flat = itertools.chain.from_iterable(offsets)  # twice as fast as np.asarray on tuples
+    return np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
 
 
 def _is_control(vocab: _Vocab, text: str, token: int, lo: int, hi: int) -> bool:
@@ -782,12 +859,23 @@ def _is_control(vocab: _Vocab, text: str, token: int, lo: int, hi: int) -> bool:
 
 def _forged(vocab: _Vocab, text: str, content: list[tuple[int, int]], encoding: _Encoding) -> bool:
     """Whether a control token of ``encoding`` lies (even partly) in ``content``."""
+    return _forged_at(vocab, text, content, *encoding)
+
+
+def _forged_at(
+    vocab: _Vocab,
+    text: str,
+    content: list[tuple[int, int]],
+    ids: list[int],
+    offsets: Sequence[tuple[int, int]] | np.ndarray,
+) -> bool:
+    """``_forged`` of ids and their offsets (a sequence of pairs, or an array [tokens, 2])."""
     starts = [lo for lo, _ in content]
-    ids, offsets = encoding
-    return any(
-        _is_control(vocab, text, ids[i], *offsets[i]) and _overlaps(content, starts, *offsets[i])
-        for i in _control_positions(vocab, ids)
-    )
+    for i in _control_positions(vocab, ids):
+        lo, hi = int(offsets[i][0]), int(offsets[i][1])
+        if _is_control(vocab, text, ids[i], lo, hi) and _overlaps(content, starts, lo, hi):
+            return True
+    return False
 
 
 def _control_positions(vocab: _Vocab, ids: list[int]) -> list[int]:
@@ -871,18 +959,21 @@ def _token_kinds(
 ) -> np.ndarray:
     """Each token's kind code (``_KIND_CODES``): that of the segment holding its last character
     ("other" if none)."""
+    return _kinds(_bounds(offsets), ranges)
+
+
+def _kinds(bounds: np.ndarray, ranges: list[tuple[int, int, SpanKind]]) -> np.ndarray:
+    """``_token_kinds`` of offsets as an array [tokens, 2]."""
     placed = sorted((lo, hi, kind) for lo, hi, kind in ranges if hi > lo)
-    flat = itertools.chain.from_iterable(offsets)  # twice as fast as np.asarray on tuples
-    ends_at = np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
-    if not placed or not len(ends_at):
-        return np.zeros(len(ends_at), dtype=np.int8)
+    if not placed or not len(bounds):
+        return np.zeros(len(bounds), dtype=np.int8)
     starts = np.array([lo for lo, _, _ in placed], dtype=np.int64)
     stops = np.array([hi for _, hi, _ in placed], dtype=np.int64)
     codes = np.array([_KIND_CODES[kind] for _, _, kind in placed], dtype=np.int8)
-    last_char = ends_at[:, 1] - 1
+    last_char = bounds[:, 1] - 1
     k = np.searchsorted(starts, last_char, side="right") - 1
     at = k.clip(min=0)
-    inside = (ends_at[:, 1] > ends_at[:, 0]) & (k >= 0) & (stops[at] > last_char)
+    inside = (bounds[:, 1] > bounds[:, 0]) & (k >= 0) & (stops[at] > last_char)
     return np.where(inside, codes[at], 0).astype(np.int8)
 
 
@@ -907,11 +998,15 @@ def _rendered(request: RequestLike, tokenizer: Any, chat_template: str | None = 
 
 
 def _prepared(
-    rendered: _Rendered, whole: _Encoding, tokenizer: Any, max_tokens: int | None
+    rendered: _Rendered, whole: _Whole, tokenizer: Any, max_tokens: int | None
 ) -> PreparedPrompt:
     text, ranges = rendered.text, rendered.ranges
     content = _merged((lo, hi) for lo, hi, _ in ranges)
-    token_ids, offsets = _tokenize(tokenizer, text, content, whole)
+    token_ids, bounds = whole
+    if _forged_at(_vocab(tokenizer), text, content, token_ids, bounds):  # content is re-encoded
+        offsets = [(lo, hi) for lo, hi in bounds.tolist()]
+        token_ids, offsets = _tokenize(tokenizer, text, content, (token_ids, offsets))
+        bounds = _bounds(offsets)
     if not token_ids:
         raise RequestError("the request rendered to zero tokens")
     if max_tokens is not None and len(token_ids) >= max_tokens:
@@ -920,7 +1015,7 @@ def _prepared(
             f"{max_tokens} tokens (max_model_len), leaving no room to generate: shorten the "
             "data or start the engine with a larger max_model_len"
         )
-    kinds = _token_kinds(offsets, ranges)
+    kinds = _kinds(bounds, ranges)
     return PreparedPrompt(
         token_ids=list(token_ids),
         instruction_spans=_runs(kinds == _KIND_CODES["instruction"]),
@@ -964,7 +1059,7 @@ def prepare_prompts(
             rendered[i] = item
         except RequestError as exc:
             results[i] = exc
-    wholes = _encode_whole(tokenizer, [r.text for r in rendered.values()]) if rendered else []
+    wholes = _encode_bounded(tokenizer, [r.text for r in rendered.values()]) if rendered else []
     for (i, item), whole in zip(rendered.items(), wholes, strict=True):
         try:
             if isinstance(whole, RequestError):

@@ -18,9 +18,10 @@
    thresholds: the share of clean rows flagged and of injections caught, per source (the
    calibration sources in sample, the test sets held out).
 
-Needs the score cache of ``benchmarks/detection_transfer.py`` (it scores nothing itself):
+Reads the score cache of ``benchmarks/detection_transfer.py`` (scoring what it lacks); the
+fits, thresholds and measures are the library's (:mod:`guardrail.offline.transfer`):
 
-    python benchmarks/detection_ceiling.py --cache /tmp/transfer_scores.npz
+    python benchmarks/detection_ceiling.py --cache scores.npz [--bipia-dir ../shared/data/bipia]
 
 Writes benchmarks/results/ceiling_smollm2.json and .md (docs/detection.md quotes them).
 """
@@ -32,12 +33,28 @@ import json
 from pathlib import Path
 from typing import Any
 
-import detection_transfer as dt  # type: ignore[import-not-found]
 import numpy as np
 
+from guardrail.embedded import EMBEDDED_MODEL_ID, model_or_embedded
+from guardrail.offline.combined import focus_from_logit, worst_source_threshold
+from guardrail.offline.evaluation import auroc, markdown_table, tpr_at_fpr
+from guardrail.offline.transfer import (
+    ProbeFit,
+    ScoredPool,
+    TransferRecipe,
+    fit_probe,
+    measure,
+    probe_focus,
+    recipe_for,
+)
+from guardrail.offline.transfer_eval import score_rows, test_sets, transfer_rows
+from guardrail.probe.config import load_model_config
+
+ROOT = Path(__file__).resolve().parents[1]
 OFFSET_STATS = {"none": None, "median": 0.5, "q90": 0.9, "q99": 0.99}
-HIDDEN_LAYERS = [15, 18]
+HIDDEN_LAYERS = (15, 18)
 """The layers the transfer benchmark chose on the calibration pool (transfer_smollm2.json)."""
+SWEEP = (0.05, 0.02, 0.01, 0.005, 0.002)
 
 
 def _logit(focus: np.ndarray) -> np.ndarray:
@@ -46,124 +63,128 @@ def _logit(focus: np.ndarray) -> np.ndarray:
     return np.log((1 - f) / f)
 
 
-def per_layout_offsets(data: Any, pool: np.ndarray, model: dict[str, Any]) -> dict[str, Any]:
+def _tests(pool: ScoredPool) -> list[str]:
+    return sorted(set(pool.corpus[pool.role == "test"].tolist()))
+
+
+def per_layout_offsets(pool: ScoredPool, model: ProbeFit, fpr: float) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    from guardrail.offline.combined import focus_from_logit, worst_source_threshold
-
-    oof = _logit(model["fit"].oof_focus)
-    labels, layouts = data.labels[pool], data.layout[pool]
+    index = pool.calibration
+    oof = _logit(model.fit.oof_focus)
+    labels, layouts = pool.labels[index], pool.layout[index]
     clean = labels == 0
     report: dict[str, Any] = {}
     for name, q in tqdm(OFFSET_STATS.items(), desc="per-layout offsets", unit="variant"):
-        offsets = {lay: 0.0 for lay in sorted(set(data.layout.tolist()))}
+        offsets = {lay: 0.0 for lay in sorted(set(pool.layout.tolist()))}
         if q is not None:
             ref = float(np.quantile(oof[clean], q))
             for lay in sorted(set(layouts.tolist())):
                 offsets[lay] = float(np.quantile(oof[clean & (layouts == lay)], q)) - ref
         shifted = oof - np.array([offsets[lay] for lay in layouts])
         threshold, _ = worst_source_threshold(
-            focus_from_logit(shifted), labels, data.corpus[pool].tolist(), dt.TARGET_FPR
+            focus_from_logit(shifted), labels, pool.corpus[index].tolist(), fpr
         )
         entry: dict[str, Any] = {
             "offsets": {k: round(v, 3) for k, v in offsets.items()},
             "threshold": threshold,
         }
-        for corpus in dt.TEST_SOURCES:
-            index = np.flatnonzero(data.corpus == corpus)
-            logit = _logit(dt.focus_for(data, "combined", model, index))
-            logit -= np.array([offsets.get(lay, 0.0) for lay in data.layout[index]])
-            entry[corpus] = dt.measure(data.labels[index], focus_from_logit(logit), threshold)
+        for corpus in _tests(pool):
+            rows = np.flatnonzero(pool.corpus == corpus)
+            logit = _logit(probe_focus(pool, model, rows))
+            logit -= np.array([offsets.get(lay, 0.0) for lay in pool.layout[rows]])
+            entry[corpus] = measure(pool.labels[rows], focus_from_logit(logit), threshold)
         report[name] = entry
     return report
 
 
-def handwritten_ceiling(data: Any, pool: np.ndarray) -> dict[str, Any]:
+def handwritten_ceiling(
+    pool: ScoredPool, recipe: TransferRecipe, attention: tuple[int, ...]
+) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    from guardrail.offline.evaluation import auroc, tpr_at_fpr
-
-    rows = np.flatnonzero(data.corpus == "handwritten")
+    rows = np.flatnonzero(pool.corpus == "handwritten")
     report: dict[str, Any] = {}
     for kind in tqdm(("attention", "hidden", "combined"), desc="fit on hand-written", unit="kind"):
-        fit = dt.fit_kind(data, kind, rows, HIDDEN_LAYERS)["fit"]
+        fit = fit_probe(pool, kind, rows, recipe, attention, HIDDEN_LAYERS).fit
         risk = 1.0 - fit.oof_focus
         report[f"handwritten only, {kind}"] = {
             "auroc": round(fit.cv_auroc, 4),
-            "tpr@1%fpr": round(tpr_at_fpr(data.labels[rows], risk, 0.01), 4),
+            "tpr_at_1pct_fpr": round(tpr_at_fpr(pool.labels[rows], risk, 0.01), 4),
         }
-    both = np.concatenate([pool, rows])
-    fit = dt.fit_kind(data, "combined", both, HIDDEN_LAYERS)["fit"]
+    both = np.concatenate([pool.calibration, rows])
+    fit = fit_probe(pool, "combined", both, recipe, attention, HIDDEN_LAYERS).fit
     mine = np.isin(both, rows)
     risk = 1.0 - fit.oof_focus[mine]
-    labels = data.labels[both][mine]
+    labels = pool.labels[both][mine]
     report["pool + handwritten, combined"] = {
         "auroc": round(auroc(labels, risk), 4),
-        "tpr@1%fpr": round(tpr_at_fpr(labels, risk, 0.01), 4),
+        "tpr_at_1pct_fpr": round(tpr_at_fpr(labels, risk, 0.01), 4),
     }
     return report
 
 
-SWEEP = (0.05, 0.02, 0.01, 0.005, 0.002)
+def threshold_sweep(pool: ScoredPool, model: ProbeFit) -> dict[str, Any]:
+    from guardrail.offline.row_scores import config_focus
 
-
-def threshold_sweep(data: Any, model: dict[str, Any]) -> dict[str, Any]:
-    everything = np.arange(len(data.labels))
+    everything = np.arange(len(pool.labels))
     focus = {
-        "default (attention)": dt.focus_for(data, "shipped", dt.shipped_model(), everything),
-        "combined": dt.focus_for(data, "combined", model, everything),
+        "default (attention)": config_focus(load_model_config(EMBEDDED_MODEL_ID), pool.table),
+        "combined": probe_focus(pool, model, everything),
     }
+    sources = sorted(set(pool.corpus.tolist()))
     report: dict[str, Any] = {}
     for name, f in focus.items():
         for threshold in SWEEP:
-            entry = {}
-            for corpus in dt.TEST_SOURCES + dt.CALIBRATION_SOURCES:
-                index = np.flatnonzero(data.corpus == corpus)
-                entry[corpus] = dt.measure(data.labels[index], f[index], threshold)
-            report[f"{name} at {threshold:g}"] = entry
+            report[f"{name} at {threshold:g}"] = {
+                corpus: measure(pool.labels[i], f[i], threshold)
+                for corpus in sources
+                for i in [np.flatnonzero(pool.corpus == corpus)]
+            }
     return report
 
 
 def markdown(report: dict[str, Any]) -> str:
-    out = ["## Per-layout offsets on the combined probe's logit\n"]
-    out.append("| offsets from | " + " | ".join(dt.TEST_SOURCES) + " |")
-    out.append("|---|" + "---|" * len(dt.TEST_SOURCES))
-    for name, entry in report["per_layout"].items():
-        cells = [
-            f"AUROC {entry[c]['auroc']}, flagged {entry[c]['flagged_clean']:.1%}, "
-            f"caught {entry[c]['caught']:.1%}"
-            for c in dt.TEST_SOURCES
-        ]
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    out.append("\n## Hand-written requests: fitted on themselves (out-of-fold)\n")
-    out.append("| fit | AUROC | TPR at 1 % FPR |\n|---|---|---|")
-    for name, entry in report["ceiling"].items():
-        out.append(f"| {name} | {entry['auroc']} | {entry['tpr@1%fpr']} |")
-    out.append("\n## Threshold sweep: clean rows flagged / injections caught, per source\n")
-    sources = dt.TEST_SOURCES + dt.CALIBRATION_SOURCES
+    tests = sorted(
+        {k for entry in report["per_layout"].values() for k in entry} - {"offsets", "threshold"}
+    )
     rows = {
+        name: {
+            c: f"AUROC {entry[c]['auroc']}, flagged {entry[c]['flagged_clean']:.1%}, "
+            f"caught {entry[c]['caught']:.1%}"
+            for c in tests
+        }
+        for name, entry in report["per_layout"].items()
+    }
+    out = ["## Per-layout offsets on the combined probe's logit\n", markdown_table(rows, tests)]
+    out.append("\n## Hand-written requests: fitted on themselves (out-of-fold)\n")
+    out.append(markdown_table(report["ceiling"], ["auroc", "tpr_at_1pct_fpr"]))
+    out.append("\n## Threshold sweep: clean rows flagged / injections caught, per source\n")
+    sources = sorted({c for entry in report["sweep"].values() for c in entry})
+    sweep = {
         name: {c: f"{entry[c]['flagged_clean']:.1%} / {entry[c]['caught']:.0%}" for c in sources}
         for name, entry in report["sweep"].items()
     }
-    out.append(dt._table(rows, sources))
+    out.append(markdown_table(sweep, sources))
     return "\n".join(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, default=Path("/tmp/transfer_scores.npz"))
-    parser.add_argument("--out", type=Path, default=dt.ROOT / "benchmarks" / "results")
+    parser.add_argument("--cache", type=Path, required=True, help="score cache (.npz)")
+    parser.add_argument("--bipia-dir", type=Path, help="BIPIA's files: adds the held-out split")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
-    if not args.cache.exists():
-        parser.error(f"{args.cache}: run benchmarks/detection_transfer.py --score-only first")
-    kept, table = dt.score(dt.load_rows(), args.cache, 32)
-    data = dt.Data(kept, table)
-    pool = np.flatnonzero(data.role == "calibration")
-    model = dt.fit_kind(data, "combined", pool, HIDDEN_LAYERS)
+    recipe = recipe_for(EMBEDDED_MODEL_ID, 30)
+    split = ROOT / "docs" / "bipia_heldout_split.json"
+    rows = transfer_rows(test_sets(ROOT / "benchmarks" / "data", split, args.bipia_dir))
+    pool = score_rows(rows, model_or_embedded(None), recipe.hidden_candidates, args.cache)
+    attention = recipe.attention_layers or ()
+    model = fit_probe(pool, "combined", pool.calibration, recipe, attention, HIDDEN_LAYERS)
     report = {
-        "per_layout": per_layout_offsets(data, pool, model),
-        "ceiling": handwritten_ceiling(data, pool),
-        "sweep": threshold_sweep(data, model),
+        "per_layout": per_layout_offsets(pool, model, recipe.target_fpr),
+        "ceiling": handwritten_ceiling(pool, recipe, attention),
+        "sweep": threshold_sweep(pool, model),
     }
     (args.out / "ceiling_smollm2.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out / "ceiling_smollm2.md").write_text(markdown(report))

@@ -23,10 +23,11 @@ The serving probe reads the stream at the last prompt token and the data tokens'
 Face (eager attention, float32) on the very token ids the engine scores (``prepare_prompt``),
 and checks its last-token stream against the serving probe's cached one (printed: max abs
 difference). About 45 min on 2 cores for the ~4,300 rows (cached in
-``--states``). Needs the transfer benchmark's score cache:
+``--states``). Reads the transfer benchmark's score cache; fits and measures are the library's
+(:mod:`guardrail.offline.transfer_eval`):
 
-    python benchmarks/detection_delta.py --cache /tmp/transfer_scores.npz \\
-        --states /tmp/delta_states.npz
+    python benchmarks/detection_delta.py --cache scores.npz --states states.npz \\
+        [--bipia-dir ../shared/data/bipia]
 
 Writes benchmarks/results/delta_smollm2.json and .md (docs/detection.md quotes them) and the
 combined probe's ROC curves per held-out set, one per variant (docs/img/delta_<set>.png).
@@ -36,18 +37,31 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import detection_transfer as dt  # type: ignore[import-not-found]
 import numpy as np
+
+from guardrail.embedded import EMBEDDED_MODEL_ID, model_or_embedded
+from guardrail.offline.evaluation import markdown_table
+from guardrail.offline.transfer import FitKind, ScoredPool, recipe_for
+from guardrail.offline.transfer_eval import (
+    evaluate_transfer,
+    score_rows,
+    summary,
+    test_sets,
+    transfer_rows,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [15, 18]
 """The layers the transfer benchmark chose on the calibration pool (transfer_smollm2.json)."""
 DATA_MEAN_LAYERS = [15]
 """Layers whose stream is averaged over the data tokens (``data_mean``)."""
 VARIANTS = ("last", "delta", "delta_instruction", "last+delta", "data_mean", "last+data_mean")
-KINDS = ("hidden", "combined")
+KINDS: tuple[FitKind, ...] = ("hidden", "combined")
 
 
 def anchors(prepared: Any) -> tuple[int, int]:
@@ -136,7 +150,7 @@ def markdown(results: dict[str, Any], parity: float) -> str:
             }
             for variant in VARIANTS
         }
-        out.append(f"## {kind}\n\n" + dt._table(rows, sources))
+        out.append(f"## {kind}\n\n" + markdown_table(rows, sources))
     return "\n".join(out)
 
 
@@ -144,35 +158,47 @@ def plot(curves: dict[str, dict[str, Any]], img: Path) -> None:
     """ROC of the combined probe per held-out set, one curve per variant (docs/img/delta_*.png)."""
     from guardrail.offline.evaluation import plot_roc
 
-    for corpus in dt.TEST_SOURCES:
+    for corpus in curves[VARIANTS[0]]:
         per_variant = {v: curves[v][corpus] for v in VARIANTS}
         plot_roc(per_variant, img / f"delta_{corpus}.png", f"{corpus}: combined probe, by variant")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, default=Path("/tmp/transfer_scores.npz"))
-    parser.add_argument("--states", type=Path, default=Path("/tmp/delta_states.npz"))
-    parser.add_argument("--out", type=Path, default=dt.ROOT / "benchmarks" / "results")
+    parser.add_argument("--cache", type=Path, required=True, help="score cache (.npz)")
+    parser.add_argument("--states", type=Path, required=True, help="Hugging Face streams (.npz)")
+    parser.add_argument("--bipia-dir", type=Path, help="BIPIA's files: adds the held-out split")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
     args = parser.parse_args()
-    if not args.cache.exists():
-        raise SystemExit(f"{args.cache}: run benchmarks/detection_transfer.py first")
-    kept, table = dt.score(dt.load_rows(), args.cache, 32)
+    recipe = recipe_for(EMBEDDED_MODEL_ID, 30)
+    split = ROOT / "docs" / "bipia_heldout_split.json"
+    rows = transfer_rows(test_sets(ROOT / "benchmarks" / "data", split, args.bipia_dir))
+    pool = score_rows(rows, model_or_embedded(None), recipe.hidden_candidates, args.cache)
     if not args.states.exists():
-        extract(kept, table, args.states)
+        extract(pool.rows, pool.table, args.states)
     states = np.load(args.states)
-    if list(states["keys"]) != [r.id for r in kept]:
+    if list(states["keys"]) != [r.id for r in pool.rows]:
         raise SystemExit(f"{args.states} holds other rows: delete it to extract again")
     parity = float(states["parity"])
     results, curves = {}, {}
     for variant in VARIANTS:
         print(f"variant {variant}")
-        table.hidden = hidden_for(variant, states)
-        layers = sorted(table.hidden)
-        report = dt.evaluate_all(kept, table, layers=layers, kinds=KINDS)
-        results[variant] = dt.summary(report, KINDS)
-        curves[variant] = {c: report["full_pool"]["combined"][c]["_roc"] for c in dt.TEST_SOURCES}
-    plot(curves, dt.ROOT / "docs" / "img")
+        hidden = hidden_for(variant, states)
+        table = replace(pool.table, hidden=hidden, data_mean={})
+        result = evaluate_transfer(
+            ScoredPool(pool.rows, table),
+            recipe,
+            KINDS,
+            recipe.attention_layers or (),
+            sorted(hidden),
+        )
+        results[variant] = summary(result)
+        curves[variant] = {
+            source: (left.labels.tolist(), (1 - left.focus).tolist())
+            for source, left in result.kinds["combined"].tests.items()
+        }
+    plot(curves, args.img)
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {"layers": LAYERS, "parity_max_abs": parity, "results": results}
     (args.out / "delta_smollm2.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -4,7 +4,7 @@ Writes one JSONL file per calibration source and ``manifest.json`` (per source: 
 injected rows, groups, licence, origin, selection, sha256), from the sources
 ``benchmarks/detection_transfer.py`` calibrated the shipped SmolLM2 configs on:
 
-- ``bipia``: the BIPIA train pairs (../shared/data/bipia) minus the groups of
+- ``bipia``: the BIPIA train pairs (``--bipia-dir``) minus the groups of
   docs/bipia_heldout_split.json, 30 contexts per task (``sample_groups``, seed 0: every
   non-held-out email and code context, 30 of the 840 table contexts), lines copied verbatim;
 - ``bipia_everyday``: :func:`guardrail.offline.everyday.everyday_rows` of the three BIPIA files
@@ -14,13 +14,14 @@ injected rows, groups, licence, origin, selection, sha256), from the sources
   benchmarks/data (READMEs there).
 
 Nothing of the hand-written requests, AgentDojo or the held-out BIPIA split goes in. A rerun
-gives the same bytes.
+gives the same bytes (tests/unit/test_pool.py rebuilds it into a temporary folder and compares).
 
-    python benchmarks/make_pool.py
+    python benchmarks/make_pool.py --bipia-dir ../shared/data/bipia [--out guardrail/pool]
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import shutil
@@ -37,8 +38,7 @@ from guardrail.offline.datasets import (
 from guardrail.offline.everyday import everyday_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-BIPIA_DIR = ROOT.parent / "shared" / "data" / "bipia"
-BIPIA = [BIPIA_DIR / f"bipia_{t}_train_pairs.jsonl" for t in ("email", "code", "table")]
+BIPIA_TASKS = ("email", "code", "table")
 SPLIT = ROOT / "docs" / "bipia_heldout_split.json"
 DATA = ROOT / "benchmarks" / "data"
 POOL = ROOT / "guardrail" / "pool"
@@ -89,34 +89,44 @@ def _entry(name: str, path: Path, licence: str, origin: str, selection: str) -> 
     }
 
 
-def bipia_contexts() -> tuple[list[LabelledPair], set[str]]:
+def bipia_files(directory: Path) -> list[Path]:
+    """BIPIA's train pair files in ``directory``, email, code, table."""
+    return [directory / f"bipia_{t}_train_pairs.jsonl" for t in BIPIA_TASKS]
+
+
+def bipia_contexts(bipia: list[Path]) -> tuple[list[LabelledPair], set[str]]:
     """The BIPIA rows the pool keeps, and their groups."""
     held = read_split(SPLIT)
-    pairs, _ = load_pairs(BIPIA)
+    pairs, _ = load_pairs(bipia)
     kept = sample_groups([p for p in pairs if p.group not in held], MAX_BIPIA_GROUPS)
     return kept, {p.group for p in kept}
 
 
-def write_bipia(kept: list[LabelledPair]) -> Path:
+def write_bipia(kept: list[LabelledPair], bipia: list[Path], pool: Path) -> Path:
     ids = {p.id for p in kept}
     lines = [
         line
-        for path in BIPIA
+        for path in bipia
         for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
         if line.strip() and json.loads(line)["id"] in ids
     ]
-    out = POOL / "bipia_train_pairs.jsonl"
+    out = pool / "bipia_train_pairs.jsonl"
     out.write_text("".join(lines), encoding="utf-8")
     return out
 
 
 def main() -> None:
-    POOL.mkdir(exist_ok=True)
-    kept, groups = bipia_contexts()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bipia-dir", type=Path, required=True, help="BIPIA's train pair files")
+    parser.add_argument("--out", type=Path, default=POOL, help="the pool's folder")
+    args = parser.parse_args()
+    bipia, pool = bipia_files(args.bipia_dir), args.out
+    pool.mkdir(exist_ok=True)
+    kept, groups = bipia_contexts(bipia)
     sources = [
         _entry(
             "bipia",
-            write_bipia(kept),
+            write_bipia(kept, bipia, pool),
             BIPIA_LICENCE,
             BIPIA_ORIGIN,
             "train pairs minus the held-out groups of docs/bipia_heldout_split.json; "
@@ -125,8 +135,8 @@ def main() -> None:
             "(the table file alone is 7.8 MB; these are the contexts the shipped configs used)",
         )
     ]
-    everyday = everyday_rows(load_pairs(sorted(BIPIA))[0])
-    out = POOL / "bipia_everyday.jsonl"
+    everyday = everyday_rows(load_pairs(sorted(bipia))[0])
+    out = pool / "bipia_everyday.jsonl"
     write_pairs(out, [p for p in everyday if p.group in groups])
     sources.append(
         _entry(
@@ -140,11 +150,11 @@ def main() -> None:
         )
     )
     for name, (path, licence, origin) in COPIES.items():
-        shutil.copyfile(path, POOL / path.name)
+        shutil.copyfile(path, pool / path.name)
         sources.append(
             _entry(
                 name,
-                POOL / path.name,
+                pool / path.name,
                 licence,
                 origin,
                 f"all rows of benchmarks/{path.relative_to(ROOT / 'benchmarks')}",
@@ -157,7 +167,7 @@ def main() -> None:
         "other layout, as benchmarks/detection_transfer.py did for the shipped SmolLM2 configs.",
         "sources": sources,
     }
-    (POOL / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    (pool / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     for s in sources:
         print(f"{s['name']:20} {s['file']:32} {s['clean']:4} clean {s['injected']:4} injected")
 

@@ -557,21 +557,17 @@ def test_held_out_split_matches_the_data_and_is_disjoint_by_context():
 
 
 @pytest.mark.slow
-def test_shipped_smollm2_configs_hash_is_their_calibration_pool(smollm2_dir, tmp_path, monkeypatch):
-    """The provenance the shipped SmolLM2 configs record is the pool
-    benchmarks/detection_transfer.py builds (rows over 2,048 prompt tokens skipped, as there)."""
+def test_shipped_smollm2_configs_hash_is_their_calibration_pool(smollm2_dir):
+    """The provenance the shipped SmolLM2 configs record is the installed pool (rows over 2,048
+    prompt tokens skipped, as ``guardrail calibrate`` skips them without --data)."""
     from transformers import AutoTokenizer
 
     from guardrail.offline.layouts import request_for
+    from guardrail.offline.pool import load_pool
     from guardrail.probe.config import load_model_config
     from guardrail.probe.prompts import prepare_prompt
 
-    bipia_files()  # skips when the shared data is not beside the checkout
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    import detection_transfer as dt
-
-    monkeypatch.setattr(dt, "EVERYDAY", tmp_path / "bipia_generic.jsonl")  # rebuilt by its script
-    pool = [r for r in dt.load_rows() if r.extra["role"] == "calibration"]
+    pool = load_pool()
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
     prepared = [(r, prepare_prompt(request_for(r), tokenizer)) for r in pool]
     kept = [(r, prompt) for r, prompt in prepared if len(prompt.token_ids) <= 2048]

@@ -5,7 +5,9 @@ probe (every head; the last-token and data-mean streams of the recipe's candidat
 :func:`guardrail.offline.pool_fit.calibrate_on_pool` fits the attention-only and the combined
 probe; :func:`guardrail.offline.pool_report.write_pool_calibration` writes ``<name>.json``,
 ``<name>.combined.json`` and ``<name>.report.{json,md,png}``. For the embedded SmolLM2 this is
-the writer of the shipped configs: ``guardrail calibrate --out model_configs`` rebuilds them.
+the writer of the shipped configs: ``guardrail calibrate --out model_configs --report
+benchmarks/results/calibrate_pool_smollm2/SmolLM2-135M-Instruct.report.json`` rebuilds them
+(the report elsewhere: every JSON file in model_configs/ is read as a config).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -75,10 +78,25 @@ def _pool_settings(args: argparse.Namespace, recipe: TransferRecipe) -> ScoringS
     )
 
 
+def _check_report_place(report: Path) -> None:
+    """Refuse a report inside the package's model_configs/ (its JSON files are all configs)."""
+    from importlib.resources import files
+
+    shipped = Path(str(files("guardrail.model_configs"))).resolve()
+    if report.parent.resolve() == shipped:
+        raise ConfigError(
+            f"the report {report} would land in {shipped}, where every JSON file is read as a "
+            "model config: pass --report elsewhere (the shipped SmolLM2 configs' report: "
+            "benchmarks/results/calibrate_pool_smollm2/SmolLM2-135M-Instruct.report.json)"
+        )
+
+
 def run_pool(args: argparse.Namespace, engine: Any) -> int:
     """Without ``--data``: both configs of the pool recipe and their report (module doc)."""
     model, default_id = resolve_model(args.model)
     shape = ModelShape.of(model, args.model_id or default_id)
+    stem = args.name or shape.model_id.split("/")[-1]
+    _check_report_place(args.report or args.out / f"{stem}.report.json")
     recipe = _pool_recipe(args, shape)
     pairs, source = _pool_rows(args)
     settings = _pool_settings(args, recipe)
@@ -104,8 +122,8 @@ def run_pool(args: argparse.Namespace, engine: Any) -> int:
 
         result = calibrate_on_pool(pool, shape, dataset, recipe, progress)
     fit_seconds = time.perf_counter() - started
-    stem = args.name or shape.model_id.split("/")[-1]
-    written = write_pool_calibration(result, args.out, stem, args.report, skipped)
+    report = args.report or args.out / f"{stem}.report.json"
+    written = write_pool_calibration(result, args.out, stem, report, skipped)
     for kind, config in result.configs.items():
         hidden = [(p.layer, p.position, len(p.dims)) for p in config.hidden or []]
         print(

@@ -114,3 +114,20 @@ def test_the_transfer_evaluation_never_fits_a_test_row():
     }
     assert table["combined"]["test"]["n_injected"] == 40
     assert table["combined"]["test"]["auroc"] > 0.75  # the signal carries to rows never fitted
+
+
+def test_calibrate_refuses_a_report_among_the_shipped_configs(tmp_path, capsys):
+    """Every JSON file in model_configs/ is read as a config: a report there would break them,
+    so the command refuses before scoring anything."""
+    import json
+    from importlib.resources import files
+
+    from guardrail.cli import main
+
+    model = tmp_path / "m"
+    model.mkdir()
+    sizes = {"num_hidden_layers": 3, "num_attention_heads": 2, "hidden_size": 8}
+    (model / "config.json").write_text(json.dumps(sizes))
+    shipped = str(files("guardrail.model_configs"))
+    assert main(["calibrate", "--model", str(model), "--out", shipped]) == 2
+    assert "pass --report elsewhere" in capsys.readouterr().err

@@ -149,11 +149,16 @@ def test_stop_below_ends_the_stream_right_after_prefill(async_engine: Any, run: 
     assert chunk.token_ids == [async_engine.stop_token]
 
 
-def test_concurrent_requests_each_get_their_own_score_in_batched_pops(
+def test_concurrent_requests_each_get_their_own_score_pushed_or_in_batched_pops(
     async_engine: Any, run: Any, offline: list[Any]
 ) -> None:
+    """24 concurrent streams, each with its own score: pushed by the worker (no pop); then,
+    with the push stopped (a worker that cannot reach the caller), popped in batches."""
+    from guardrail.protocol import RPC_PUSH_RESULTS
+
     requests = [REQUESTS[i % len(REQUESTS)] for i in range(24)]
-    calls, popped = async_engine.popper.calls, async_engine.popper.popped
+    inbox = async_engine._inbox
+    assert inbox is not None
 
     async def one(request: Any) -> list[Any]:
         return await collect(async_engine.stream(request, sampling(max_tokens=4)))
@@ -161,13 +166,24 @@ def test_concurrent_requests_each_get_their_own_score_in_batched_pops(
     async def all_at_once() -> list[list[Any]]:
         return await asyncio.gather(*(one(r) for r in requests))
 
-    streams = run(all_at_once())
-    for i, chunks in enumerate(streams):
-        ref = offline[i % len(REQUESTS)]
-        assert chunks[0].prompt.token_ids == ref.prompt.token_ids  # its own request
-        assert chunks[0].probe.focus == pytest.approx(ref.probe.focus, abs=5e-6)
-    assert async_engine.popper.popped - popped == len(requests)
-    assert async_engine.popper.calls - calls < len(requests)  # batched, not one RPC each
+    def check(streams: list[list[Any]]) -> None:
+        for i, chunks in enumerate(streams):
+            ref = offline[i % len(REQUESTS)]
+            assert chunks[0].prompt.token_ids == ref.prompt.token_ids  # its own request
+            assert chunks[0].probe.focus == pytest.approx(ref.probe.focus, abs=5e-6)
+
+    calls, received = async_engine.popper.calls, inbox.received
+    check(run(all_at_once()))
+    assert inbox.received - received == len(requests)
+    assert async_engine.popper.calls == calls  # no round trip at all
+    run(async_engine._rpc(RPC_PUSH_RESULTS, args=(None, "")))
+    try:
+        calls, popped = async_engine.popper.calls, async_engine.popper.popped
+        check(run(all_at_once()))
+        assert async_engine.popper.popped - popped == len(requests)
+        assert async_engine.popper.calls - calls < len(requests)  # batched, not one RPC each
+    finally:
+        assert run(async_engine._rpc(RPC_PUSH_RESULTS, args=inbox.push_args))[0]
 
 
 def test_invalid_requests_fail_alone(async_engine: Any, run: Any) -> None:

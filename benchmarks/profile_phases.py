@@ -68,11 +68,13 @@ def timed(owner: Any, name: str, label: str, spent: dict[str, float]) -> None:
 
 def instrument_caller(engine: Any) -> None:
     from guardrail.engine.client import ProbeClient
+    from guardrail.engine.inbox import ResultInbox
 
     timed(engine, "prepare_many", "caller: render + tokenize", SPENT)
     timed(engine.llm, "enqueue", "caller: enqueue (vLLM add_request)", SPENT)
     timed(engine.llm, "wait_for_completion", "caller: wait (engine steps)", SPENT)
     timed(engine.llm, "collective_rpc", "caller: pop rpc", SPENT)
+    timed(ResultInbox, "take", "caller: pushed results (wait after the outputs)", SPENT)
     timed(ProbeClient, "result", "caller: result assembly", SPENT)
 
 

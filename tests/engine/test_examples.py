@@ -1,18 +1,27 @@
 """Every script in examples/ runs as a user runs it and prints the decisions its doc describes.
 
-Each example runs in a subprocess (``python examples/x.py``, so vLLM's spawned engine process
-imports the script again, as it does for users), pointed at the tiny random Llama with a probe
-config over all its heads written to tmp (``--model``, ``--probe-config``). The environment is
-the test process's minus what the examples must set themselves (``VLLM_CPU_KVCACHE_SPACE``).
-The tiny model's scores mean nothing as detection, so the checks are that every printed
-decision is the one its printed score and the policies call for, and that a block leads to
-what the doc says (a refusal, a fallback answer, a steered retry). The README's example also
-runs on the embedded SmolLM2 (slow): the benign email allowed, the injected one blocked.
+The examples on the tiny random Llama are pointed at it with a probe config over all its heads
+written to tmp (``--model``, ``--probe-config``). The environment is the test process's minus
+what the examples must set themselves (``VLLM_CPU_KVCACHE_SPACE``). The tiny model's scores mean
+nothing as detection, so the checks are that every printed decision is the one its printed score
+and the policies call for, and that a block leads to what the doc says (a refusal, a fallback
+answer, a steered retry). The README's example also runs on the embedded SmolLM2 (slow): the
+benign email allowed, the injected one blocked.
 
-Each example starts its own engine, 1-2 minutes on the shared 2-core test machine, so the fast
-suite runs the README's, the steering, the metrics server and the LangChain fallback/remote
-examples (and the engine-free LangChain fakes); the quickstart, the RAG chain, the FastAPI
-service, the multi-process metrics and the README on SmolLM2 are marked slow.
+How they run. A multi-process engine start costs 1-2 minutes on the shared 2-core test machine
+(Python and vLLM imported again in its engine-core and worker processes), so:
+
+- the examples that each start one engine and exit (README, quickstart, LangChain RAG and
+  fallback/remote, steering, metrics server, and the engine-free LangChain fakes) run one after
+  another in one Python process (``Together``, tests/engine/_example_runner.py: ``sys.argv``
+  set, the file run as ``__main__``), each starting and closing its own engine as written, on
+  vLLM's in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): seconds per example;
+- ``python examples/x.py`` in a subprocess on vLLM's default multi-process engine, whose spawned
+  engine process imports the script again as it does for users: the README on SmolLM2 and the
+  FastAPI service (slow); the multi-process metrics example too (its two worker processes are
+  spawned from the script), their engines in-process;
+- the openai client, against the session's guarded server (``served`` in tests/conftest.py, the
+  app guardrail-serve builds; tests/engine/test_serving.py runs the command itself).
 
 tests/unit/test_docs_code.py checks that every doc code block is an excerpt of an example and
 that every example is run here (``run_example("x.py", ...)`` / ``start_example``).
@@ -33,6 +42,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -51,10 +61,14 @@ FLAG_BAND = 0.05  # policies.SUSPICIOUS flags up to this much above the block th
 TinyArgs = Callable[..., list[str]]
 
 
-def _env() -> dict[str, str]:
+def _env(multiprocess: bool = True) -> dict[str, str]:
+    """The test process's environment for an example: vLLM's default multi-process engine, or
+    its in-process one; no KV cache size (the examples set it themselves)."""
     env = dict(os.environ)
     for key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING"):
-        env.pop(key, None)  # the examples set the first themselves; the second is the default
+        env.pop(key, None)
+    if not multiprocess:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 
@@ -62,13 +76,80 @@ def _command(name: str, args: tuple[object, ...]) -> list[str]:
     return [sys.executable, str(EXAMPLES / name), *map(str, args)]
 
 
-def run_example(name: str, *args: object, timeout: float = TIMEOUT) -> str:
-    """Run ``examples/<name>`` to the end; its stdout (stderr shown when it fails)."""
+class Together:
+    """Examples run one after another in one Python process (tests/engine/_example_runner.py),
+    each on vLLM's in-process engine, started and closed by the example as written. The first
+    ``stdout`` call runs every job; a test asks for its example with the arguments it expects
+    it ran with, which must be its job's."""
+
+    def __init__(self, jobs: list[tuple[str, list[object]]], folder: Path) -> None:
+        self.jobs = {name: [str(a) for a in args] for name, args in jobs}
+        self.folder = folder
+        self.ran: dict[str, tuple[int, str, str]] | None = None
+        self.log = ""
+
+    def stdout(self, name: str, args: tuple[object, ...]) -> str:
+        """``examples/<name>``'s stdout; it must have exited 0 without a traceback."""
+        given = [str(a) for a in args]
+        assert self.jobs.get(name) == given, (
+            f"{name} {given} is not a job of the examples run together: {self.jobs}"
+        )
+        if self.ran is None:
+            self.ran = self._run()
+        assert name in self.ran, f"{name} did not run to its end:\n{self.log[-6000:]}"
+        code, out, err = self.ran[name]
+        assert code == 0, f"{name} exited with {code}\n--- stdout\n{out}\n--- stderr\n{err[-6000:]}"
+        assert "Traceback" not in err, err[-6000:]
+        return out
+
+    def _run(self) -> dict[str, tuple[int, str, str]]:
+        jobs = self.folder / "jobs.json"
+        jobs.write_text(json.dumps(list(self.jobs.items())))
+        started = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).parent / "_example_runner.py"), str(jobs)],
+            cwd=ROOT,
+            env=_env(multiprocess=False),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT * 2,
+            check=False,
+        )
+        print(f"examples together: {time.monotonic() - started:.0f} s, exit {proc.returncode}")
+        self.log = proc.stdout + proc.stderr
+        outs, errs = _framed(proc.stdout), _framed(proc.stderr)
+        for name, (_, out, seconds) in outs.items():
+            print(f"{name}: {seconds} s\n{out}")  # pytest -rA shows it
+        return {
+            name: (code, out, errs[name][1] if name in errs else "")
+            for name, (code, out, _) in outs.items()
+        }
+
+
+FRAME = re.compile(r"^@@example (\S+)\n(.*?)^@@exit \1 (\d+) (\d+)\n", re.DOTALL | re.MULTILINE)
+
+
+def _framed(stream: str) -> dict[str, tuple[int, str, str]]:
+    """Each example's (exit code, text, seconds) from the runner's framed stdout or stderr."""
+    return {name: (int(code), text, s) for name, text, code, s in FRAME.findall(stream)}
+
+
+def run_example(
+    name: str,
+    *args: object,
+    timeout: float = TIMEOUT,
+    together: Together | None = None,
+    multiprocess: bool = True,
+) -> str:
+    """Run ``examples/<name>`` to the end (in ``together``'s process, or on its own with
+    vLLM's multi-process or in-process engine); its stdout (stderr shown when it fails)."""
+    if together is not None:
+        return together.stdout(name, args)
     started = time.monotonic()
     proc = subprocess.run(
         _command(name, args),
         cwd=ROOT,
-        env=_env(),
+        env=_env(multiprocess),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -91,16 +172,42 @@ def start_example(name: str, *args: object, log: Path) -> subprocess.Popen[bytes
         )
 
 
-@pytest.fixture()
-def tiny_args(tiny_llama_dir: Path, tmp_path: Path) -> TinyArgs:
+@pytest.fixture(scope="module")
+def tiny_args(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TinyArgs:
     """``--model <tiny llama> --probe-config <all heads, this threshold>``."""
+    folder = tmp_path_factory.mktemp("tiny-configs")
 
     def args(threshold: float) -> list[str]:
-        path = tmp_path / f"tiny-{threshold}.json"
+        path = folder / f"tiny-{threshold}.json"
         path.write_text(tiny_config(threshold=threshold).model_dump_json())
         return ["--model", str(tiny_llama_dir), "--probe-config", str(path)]
 
     return args
+
+
+@pytest.fixture(scope="module")
+def retry_vector(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("vectors")
+    return tiny_vector(tiny_llama_dir, folder / "tiny-retry.steer.safetensors")
+
+
+@pytest.fixture(scope="module")
+def together(
+    tiny_args: TinyArgs, retry_vector: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Together:
+    """The examples run together, with the arguments their tests below give them."""
+    return Together(
+        [
+            ("readme_use_it.py", tiny_args(0.25)),
+            ("guarded_quickstart.py", tiny_args(0.25)),
+            ("langchain_rag.py", tiny_args(0.3)),
+            ("langchain_fallback_and_remote.py", tiny_args(0.3)),
+            ("langchain_fakes.py", []),
+            ("steering_retry.py", [*tiny_args(1.0), "--vector", retry_vector]),
+            ("metrics_server.py", [*tiny_args(0.25), "--port", 0]),
+        ],
+        tmp_path_factory.mktemp("together"),
+    )
 
 
 def tiered(focus: float, threshold: float) -> str:
@@ -123,9 +230,10 @@ def use_it_lines(stdout: str) -> list[tuple[str, float, str]]:
     return lines
 
 
-def test_readme_use_it(tiny_args: TinyArgs) -> None:
+def test_readme_use_it(tiny_args: TinyArgs, together: Together) -> None:
     threshold = 0.25
-    lines = use_it_lines(run_example("readme_use_it.py", *tiny_args(threshold)))
+    out = run_example("readme_use_it.py", *tiny_args(threshold), together=together)
+    lines = use_it_lines(out)
     for action, focus, _ in lines:
         assert action == tiered(focus, threshold), lines
 
@@ -153,10 +261,9 @@ def test_readme_use_it_on_the_embedded_model() -> None:
 QUICK_LINE = re.compile(r"^\[(allow|flag|block)\s*\] focus=(\S+) (.*)$", re.MULTILINE)
 
 
-@pytest.mark.slow  # its own engine start (1-2 min here); no doc block is an excerpt of it
-def test_guarded_quickstart(tiny_args: TinyArgs) -> None:
+def test_guarded_quickstart(tiny_args: TinyArgs, together: Together) -> None:
     threshold = 0.25
-    out = run_example("guarded_quickstart.py", *tiny_args(threshold))
+    out = run_example("guarded_quickstart.py", *tiny_args(threshold), together=together)
     lines = QUICK_LINE.findall(out)
     assert len(lines) == 4, out
     actions = []
@@ -182,10 +289,10 @@ def test_guarded_quickstart(tiny_args: TinyArgs) -> None:
 RAG_LINE = re.compile(r"^\[(allow|flag|block)\s*\] focus=(\S+) '([^']*)'\n\s+(.*)$", re.MULTILINE)
 
 
-@pytest.mark.slow  # its own engine start; the fast suite runs the LangChain adapters already
-def test_langchain_rag(tiny_args: TinyArgs) -> None:
+def test_langchain_rag(tiny_args: TinyArgs, together: Together) -> None:
     threshold = 0.3
-    lines = RAG_LINE.findall(run_example("langchain_rag.py", *tiny_args(threshold)))
+    out = run_example("langchain_rag.py", *tiny_args(threshold), together=together)
+    lines = RAG_LINE.findall(out)
     assert [question for _, _, question, _ in lines] == [
         "When does the museum open?",
         "Where can I find parking?",
@@ -201,9 +308,9 @@ FALLBACK_LINE = re.compile(
 REMOTE_LINE = re.compile(r"^remote \[(allow|block)\] focus=(\S+) (.*)$", re.MULTILINE)
 
 
-def test_langchain_fallback_and_remote(tiny_args: TinyArgs) -> None:
+def test_langchain_fallback_and_remote(tiny_args: TinyArgs, together: Together) -> None:
     threshold = 0.3
-    out = run_example("langchain_fallback_and_remote.py", *tiny_args(threshold))
+    out = run_example("langchain_fallback_and_remote.py", *tiny_args(threshold), together=together)
     fallback, remote = FALLBACK_LINE.findall(out), REMOTE_LINE.findall(out)
     assert len(fallback) == 2 and len(remote) == 2, out
     for action, fell_back, focus, answer in fallback:
@@ -219,8 +326,8 @@ def test_langchain_fallback_and_remote(tiny_args: TinyArgs) -> None:
         assert answer == repr(expected), remote
 
 
-def test_langchain_fakes() -> None:
-    out = run_example("langchain_fakes.py", timeout=300)
+def test_langchain_fakes(together: Together) -> None:
+    out = run_example("langchain_fakes.py", together=together)
     assert out.splitlines() == [
         "ok test_the_guard_refuses_an_injected_context",
         "ok test_the_question_is_trusted",
@@ -251,12 +358,12 @@ def tiny_vector(model_dir: Path, path: Path) -> Path:
 ATTEMPT_LINE = re.compile(r"^(True|False) (\S+) (\S+) (.*)$", re.MULTILINE)
 
 
-def test_steering_retry(tiny_args: TinyArgs, tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_steering_retry(tiny_args: TinyArgs, retry_vector: Path, together: Together) -> None:
     """Threshold 1.0: the request is always flagged, so it is retried once, steered; the steered
     attempt still scores under the threshold (its own decision: retry again), no attempt is
     left, and the policy's fallback blocks it. Both attempts are printed."""
-    vector = tiny_vector(tiny_llama_dir, tmp_path / "tiny-retry.steer.safetensors")
-    out = run_example("steering_retry.py", *tiny_args(1.0), "--vector", vector)
+    args = [*tiny_args(1.0), "--vector", retry_vector]
+    out = run_example("steering_retry.py", *args, together=together)
     attempts = ATTEMPT_LINE.findall(out)
     assert [(steered, action) for steered, _, action, _ in attempts] == [
         ("False", "retry_with_steering"),
@@ -277,9 +384,9 @@ def counted(stdout: str) -> dict[str, float]:
     return {action: float(n) for action, n in REQUESTS_TOTAL.findall(stdout)}
 
 
-def test_metrics_server(tiny_args: TinyArgs) -> None:
+def test_metrics_server(tiny_args: TinyArgs, together: Together) -> None:
     threshold = 0.25  # PromptInjectionPolicy(): block at the config's threshold
-    out = run_example("metrics_server.py", *tiny_args(threshold), "--port", 0)
+    out = run_example("metrics_server.py", *tiny_args(threshold), "--port", 0, together=together)
     decisions = re.findall(r"^(allow|block) (\S+)$", out, flags=re.MULTILINE)
     assert len(decisions) == 2, out
     for action, focus in decisions:
@@ -352,12 +459,13 @@ def test_guarded_service(service: str) -> None:
     }, scraped
 
 
-@pytest.mark.slow  # two engine starts, one after the other
+@pytest.mark.slow  # two worker processes, each starting its own engine
 def test_metrics_multiprocess(tiny_args: TinyArgs) -> None:
-    """Two worker processes (two engines, one after the other): the scrape sums both workers'
-    counters, and the dead workers' live gauges are gone (``child_exit``)."""
+    """Two worker processes (two engines, one after the other, each in-process in its worker):
+    the scrape sums both workers' counters, and the dead workers' live gauges are gone
+    (``child_exit``)."""
     threshold = 0.25
-    out = run_example("metrics_multiprocess.py", *tiny_args(threshold))
+    out = run_example("metrics_multiprocess.py", *tiny_args(threshold), multiprocess=False)
     workers = re.findall(r"^worker: (allow|flag|block) (\S+)$", out, flags=re.MULTILINE)
     assert len(workers) == 2, out
     for action, focus in workers:
@@ -374,29 +482,16 @@ def test_metrics_multiprocess(tiny_args: TinyArgs) -> None:
 CLIENT_LINE = re.compile(r"^(allow|block) (\d\.\d{3})", re.MULTILINE)
 
 
-@pytest.mark.slow  # its own engine start, behind guardrail-serve
-def test_openai_client_against_guardrail_serve(tiny_args: TinyArgs, tmp_path: Path) -> None:
-    threshold = 0.25
-    port, log = _free_port(), tmp_path / "serve.log"
-    command = [sys.executable, "-m", "guardrail.integrations.serving", *tiny_args(threshold)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [*command, "--port", str(port), "--served-model-name", "tiny"],
-            cwd=ROOT,
-            env=_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_until_it_answers(proc, f"{url}/health", log)
-        out = run_example("openai_client.py", "--base-url", f"{url}/v1")
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
+def test_openai_client_against_the_guarded_server(
+    served: tuple[str, Any], low_and_threshold: tuple[int, float]
+) -> None:
+    """The session's guarded server (``served``, tests/conftest.py: the app guardrail-serve
+    builds, on the tiny Llama, served as "tiny", blocking at or below ``threshold``)."""
+    url, _ = served
+    _, threshold = low_and_threshold
+    out = run_example("openai_client.py", "--base-url", f"{url}/v1")
     decisions = [(a, float(f)) for a, f in CLIENT_LINE.findall(out)]
     assert len(decisions) == 2, out
     for action, focus in decisions:
         assert action == ("block" if focus <= threshold else "allow"), out
     assert re.search(r"^stream allow '.+' \(\d+ tokens\)$", out, re.MULTILINE), out
-    assert "Traceback" not in log.read_text(), log.read_text()[-6000:]

@@ -7,6 +7,11 @@ tokenizer on requests of about 512 and 2,048 prompt tokens, in two forms: an (in
 data) pair and a chat message list (system, user, a tool result holding the data, user).
 Medians over repeats; results to ``benchmarks/results/bench_render_<commit>.json``.
 
+Beside them, the row ``encode`` times what any caller of vLLM pays for the same text:
+``tokenizer.encode(text, add_special_tokens=False)`` of each request's rendered text (vLLM's
+renderer makes that one call per text prompt), so the rendering's own cost reads as the
+difference.
+
 Usage (``--against``: a checkout of the code to compare with, timed in turn in this process,
 so that both see the same load):
     git worktree add /tmp/render_base <commit>
@@ -97,6 +102,15 @@ def _medians(
     }
 
 
+def _encode(tokenizer: Any, text: str) -> object:
+    """The reference: the tokenizer's own encode of a rendered text, as vLLM calls it."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _encode_all(tokenizer: Any, texts: list[str]) -> object:
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
 def _load_prompts(root: Path) -> Any:
     """``guardrail/probe/prompts.py`` of another checkout (e.g. a worktree of the commit before
     a change), loaded beside this one so both are timed in turn."""
@@ -152,7 +166,12 @@ def main() -> None:
             modules, lambda m, one=one: m.prepare_prompt(one, tokenizer), args.repeats
         )
         whole = _medians(modules, lambda m, batch=batch: m.prepare_prompts(batch, tokenizer), many)
-        for name in modules:
+        texts = [p.text for p in outputs["this"] if isinstance(p, prompts.PreparedPrompt)]
+        single |= _medians(
+            {"encode": texts[0]}, functools.partial(_encode, tokenizer), args.repeats
+        )
+        whole |= _medians({"encode": texts}, functools.partial(_encode_all, tokenizer), many)
+        for name in [*modules, "encode"]:
             rows.append(
                 {
                     "code": name,

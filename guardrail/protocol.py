@@ -23,6 +23,7 @@ __all__ = [
     "ENGINE_ENV",
     "FAST_EXIT_ENV",
     "MAX_STORED_RESULTS",
+    "NOT_GUARDABLE",
     "PROBE_ARG",
     "RPC_CAPTURE_LAYERS",
     "RPC_INSTALL",
@@ -68,6 +69,11 @@ STEER_ARG = "guardrail_steer"
 """A steered request's ``SteerSpec``."""
 CAPTURE_ARG = "guardrail_capture"
 """A request whose last-prompt-token residual stream is captured: a ``CaptureSpec``."""
+
+NOT_GUARDABLE = "guardrail probe refused: "
+"""Starts the message of an install the worker refuses (a ``ValueError`` there). vLLM's engine
+core hands a worker's exception to the caller as a plain ``Exception`` carrying its message
+only, so the caller recognises a refusal by this text and raises ``EngineNotGuardableError``."""
 
 MAX_STORED_RESULTS = 65536
 """Results and reports wait in the worker until popped; past this many the oldest are dropped."""

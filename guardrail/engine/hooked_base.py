@@ -24,7 +24,7 @@ from guardrail.engine.install import check_served_model, heads_to_score
 from guardrail.errors import EngineNotGuardableError
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.scoring import HeadKey
-from guardrail.protocol import ModelInfo
+from guardrail.protocol import NOT_GUARDABLE, ModelInfo
 
 __all__ = ["HookedBase", "ProbeInstall", "refused_as_not_guardable"]
 
@@ -45,12 +45,18 @@ class ProbeInstall:
 
 @contextlib.contextmanager
 def refused_as_not_guardable() -> Iterator[None]:
-    """The workers refuse a probe they cannot install with ``ValueError`` (e.g. a quantized KV
-    cache): that engine is not guardable."""
+    """The workers refuse a probe they cannot install (e.g. a quantized KV cache) with a
+    message starting with ``NOT_GUARDABLE``: a ``ValueError`` in an in-process engine, a plain
+    ``Exception`` from vLLM's engine core otherwise. That engine is not guardable."""
     try:
         yield
-    except ValueError as exc:
-        raise EngineNotGuardableError(str(exc)) from exc
+    except Exception as exc:
+        message = str(exc)
+        at = message.find(NOT_GUARDABLE)
+        if at < 0 and not isinstance(exc, ValueError):
+            raise
+        reason = message[at + len(NOT_GUARDABLE) :] if at >= 0 else message
+        raise EngineNotGuardableError(reason) from exc
 
 
 class HookedBase:

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from guardrail.probe.config import ModelProbeConfig
-from guardrail.protocol import ModelInfo, PoppedResults, SteerReportData
+from guardrail.protocol import NOT_GUARDABLE, ModelInfo, PoppedResults, SteerReportData
 from guardrail.worker import lifecycle
 from guardrail.worker.outbox import ResultPusher
 from guardrail.worker.probe import PROBES, Probe, install_probe, uninstall_probe
@@ -99,6 +99,18 @@ class GuardrailWorkerExtension:
         ``raw_data_mean_layers`` those whose stream averaged over the data tokens is
         (calibration).
         """
+        try:
+            return self._install(heads, config, raw_hidden_layers, raw_data_mean_layers)
+        except ValueError as exc:  # a refusal: recognisable at the caller (``NOT_GUARDABLE``)
+            raise ValueError(f"{NOT_GUARDABLE}{exc}") from exc
+
+    def _install(
+        self,
+        heads: list[list[int]],
+        config: dict[str, Any],
+        raw_hidden_layers: list[int] | None,
+        raw_data_mean_layers: list[int] | None,
+    ) -> ModelInfo:
         self.guardrail_uninstall()
         info = self.guardrail_model_info()
         if info["kv_cache_dtype"] not in ("auto", "float32", "float16", "bfloat16"):

@@ -227,6 +227,7 @@ def install_hidden(
         )
     slots = _kv_slots(runner, info) if needs_memo else 0
     device = runner.device
+    _check_raw_memo_fits(len(raw_mean_layers), slots, info, device, runner)
     # With pipeline parallelism a stage holds some layers only (the others are placeholders).
     held = [i for i in wanted if type(layers[i]).__name__ != "PPMissingLayer"]
     for index in held:
@@ -245,3 +246,30 @@ def install_hidden(
     probe.needs_data_slots = any(r.remembers for r in probe.hidden.values())
     if probe.hidden and max(probe.hidden) >= probe.last_layer:
         probe.last_layer, probe.finish_on_hidden = max(probe.hidden), True
+
+
+MEMO_SHARE = 0.8
+"""At most this share of the device's free memory goes to the raw data-mean memos."""
+
+
+def _check_raw_memo_fits(
+    layers: int, slots: int, info: dict[str, Any], device: Any, runner: Any
+) -> None:
+    """Refuse, with the engine argument that fixes it, raw data-mean memos (calibration: the
+    whole stream per KV slot and layer) that would not fit the device's free memory: on a GPU
+    vLLM gives the KV cache most of the memory, and these memos are larger per token."""
+    if not layers or torch.device(device).type != "cuda":
+        return
+    per_slot = layers * info["hidden_size"] * 4
+    free, _ = torch.cuda.mem_get_info(device)
+    if (slots + 1) * per_slot <= MEMO_SHARE * free:
+        return
+    block = int(runner.vllm_config.cache_config.block_size)
+    fits = max(int(MEMO_SHARE * free) // per_slot // block, 0)
+    raise ValueError(
+        f"the data-mean read-outs of {layers} layers need {(slots + 1) * per_slot / 2**30:.1f} "
+        f"GiB (hidden_size float32 for each of the KV cache's {slots} slots), and "
+        f"{free / 2**30:.1f} GiB is free: start the engine with a smaller KV cache, e.g. "
+        f"num_gpu_blocks_override={fits} (guardrail calibrate: --engine-arg "
+        f"num_gpu_blocks_override={fits}), or read fewer data-mean layers"
+    )

@@ -69,18 +69,16 @@ def _engine(model_dir: Path, eager: bool, config=None, **extra):  # type: ignore
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # CUDA is initialised in this process
     heads = [(layer, head) for layer in range(4) for head in range(4)]
     config = config or ModelProbeConfig(model_id="tiny", heads=heads, threshold=0.5)
-    return HookedLLM(
-        str(model_dir),
-        config,
-        **extra,
-        dtype="float16",
-        enforce_eager=eager,
-        block_size=16,
-        max_num_batched_tokens=256,  # chunked prefill on the longer prompts
-        max_model_len=2048,
-        gpu_memory_utilization=0.2,
-        seed=0,
-    )
+    settings = {
+        "dtype": "float16",
+        "enforce_eager": eager,
+        "block_size": 16,
+        "max_num_batched_tokens": 256,  # chunked prefill on the longer prompts
+        "max_model_len": 2048,
+        "gpu_memory_utilization": 0.2,
+        "seed": 0,
+    }
+    return HookedLLM(str(model_dir), config, **{**settings, **extra})
 
 
 def _worst(model_dir: Path, outputs: list) -> float:  # type: ignore[type-arg]
@@ -207,3 +205,19 @@ def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir):
         assert worst_term <= FP16_STREAM_TOL
     finally:
         engine.close()
+
+
+def test_calibration_memo_too_large_is_refused_with_the_fix(fp16_llama_dir):
+    """Calibration's raw data-mean memo holds the whole stream per KV slot: with vLLM's usual
+    memory share it cannot fit, and the engine is refused naming the argument that fixes it
+    (measured on the H200: a 1B calibration asked for 63 GiB and died of CUDA OOM)."""
+    from guardrail.errors import GuardrailError
+
+    with pytest.raises(GuardrailError, match="num_gpu_blocks_override=") as refused:
+        _engine(
+            fp16_llama_dir,
+            eager=True,
+            probe_data_mean_layers=[0, 1, 2, 3],
+            gpu_memory_utilization=0.85,
+        )
+    assert "data-mean read-outs of 4 layers" in str(refused.value)

@@ -60,6 +60,21 @@ def test_a_probe_the_workers_refuse_makes_the_engine_not_guardable() -> None:
         raise ValueError("quantized KV cache (fp8) is not supported by the probe")
 
 
+def test_a_refusal_through_vllms_engine_core_makes_the_engine_not_guardable() -> None:
+    """A multi-process engine: vLLM's engine core hands the worker's error over as a plain
+    ``Exception`` with only its message (``Call to collective_rpc method failed: ...``)."""
+    from guardrail.protocol import NOT_GUARDABLE
+
+    refusal = ValueError(f"{NOT_GUARDABLE}the hidden-state signal needs enforce_eager=True")
+    with pytest.raises(EngineNotGuardableError) as caught, refused_as_not_guardable():
+        raise Exception(f"Call to collective_rpc method failed: {refusal}")
+    assert str(caught.value) == "the hidden-state signal needs enforce_eager=True"
+    oom = Exception("Call to collective_rpc method failed: CUDA out of memory")
+    with pytest.raises(Exception, match="CUDA out of memory") as other, refused_as_not_guardable():
+        raise oom
+    assert not isinstance(other.value, EngineNotGuardableError)
+
+
 def test_both_engines_take_what_they_share_from_hooked_base() -> None:
     shared = {name for name in vars(HookedBase) if not name.startswith("__")}
     assert {"sampling", "stop_token", "tokenizer", "_plan_install"} <= shared

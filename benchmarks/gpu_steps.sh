@@ -10,7 +10,9 @@
 # ab: the same engine's caller settings side by side: each render group enqueued as it is
 # rendered (the default) against everything rendered first (one-chunk).
 # calibrate1b / calibrate8b: time to a config, `guardrail calibrate` on the installed pool with a
-# dummy-weight model of that shape (its scores mean nothing: the time is what is measured).
+# dummy-weight model of that shape (its scores mean nothing: the time is what is measured). The
+# KV cache is capped (4,096 blocks): calibration's data-mean memos hold the whole stream per KV
+# slot, and with vLLM's default memory share they do not fit (refused at install).
 set -uo pipefail
 step=${1:?usage: gpu_steps.sh tests|bench1b|bench8b|eager|profile|ab|serve|calibrate1b|calibrate8b}
 out=${OUT:-$PWD/gpu-out}
@@ -21,6 +23,7 @@ cd "$(dirname "$0")/.."
 # guardrail-serve imports guardrail.integrations: in a copied tree that is the top-level folder
 [ -e guardrail/integrations ] || ln -s ../integrations guardrail/integrations
 [ -e guardrail/policies ] || ln -s ../policies guardrail/policies
+[ -e guardrail/model_configs ] || ln -s ../model_configs guardrail/model_configs
 export PYTHONPATH=$PWD:$PYTHONPATH
 export GUARDRAIL_COMMIT=${GUARDRAIL_COMMIT:-$(cat COMMIT 2>/dev/null || echo unknown)}
 quiet() { grep -v " INFO \| WARNING \|DEBUG\|it/s\]"; }
@@ -46,7 +49,8 @@ case $step in
 build_dummy_model; print(build_dummy_model('$shape', Path('/tmp/guardrail-bench')))")
     start=$(date +%s.%N)
     python3 -m guardrail.cli calibrate --model "$model" --out "$out/calibrate_$shape" \
-      --engine-arg load_format=dummy --batch-size 64 2>&1 | quiet | tr '\r' '\n' | tail -25
+      --engine-arg load_format=dummy --engine-arg num_gpu_blocks_override=4096 \
+      --batch-size 64 2>&1 | quiet | tr '\r' '\n' | tail -25
     echo "calibrate $shape: $(python3 -c "import time; print(round(time.time() - $start, 1))") s \
 wall, engine start included" | tee "$out/calibrate_$shape.time" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;

@@ -174,11 +174,13 @@ LAYER_INDICES = (2, 5, 9)
 def fused_probe(softcaps=(None, None, None), device="cpu"):
     """A probe over three hooked layers with the fused kernel on (as on a GPU), FlashAttention's
     cache layout; the layers' ``impl`` carries only what the probe reads from vLLM's."""
+    from guardrail.worker.fused import FusedLayers
     from guardrail.worker.probe import Layer, Probe, ProbeSettings
 
     heads = [(i, h) for i, scored in zip(LAYER_INDICES, LAYER_HEADS, strict=True) for h in scored]
     probe = Probe(heads, set(), ProbeSettings(block_size=16, device=device, fused=True), None)
-    probe.gather, probe.key_view = flash_attn_keys, flash_attn_key_view
+    probe.gather = flash_attn_keys
+    probe.fused = FusedLayers(flash_attn_key_view, probe.staging, device)
     for index, scored, softcap in zip(LAYER_INDICES, LAYER_HEADS, softcaps, strict=True):
         local = torch.tensor(scored, device=device)
         impl = SimpleNamespace(scale=0.25, logits_soft_cap=softcap)
@@ -208,7 +210,7 @@ def run_step(probe, caches, queries, token_rows, slots, valid, instruction, data
     rows.last_slots = slots.gather(1, (rows.lengths - 1)[:, None])[:, 0]
     rows.flags = torch.zeros(n, len(FLAG_MESSAGES), dtype=torch.bool, device=valid.device)
     probe.rows = rows
-    probe._fused_buffers(rows)
+    probe.fused.buffers(rows, probe.columns)
     for layer, cache, query in zip(probe.layers.values(), caches, queries, strict=True):
         key = query.new_zeros(query.shape[0], cache.shape[1], query.shape[2])  # new keys
         key[token_rows] = probe.gather(cache, rows.last_slots)

@@ -22,7 +22,7 @@ probe's step plan and rows (``guardrail.worker.hidden``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,14 +30,8 @@ import torch
 
 from guardrail.probe.config import ModelProbeConfig
 from guardrail.probe.device_focus import DeviceFocus
-from guardrail.probe.fused_stats import (
-    column_table,
-    fused_available,
-    key_offsets,
-    span_stats_into,
-    span_stats_layers_into,
-)
-from guardrail.probe.kv_layout import KeyGather, KeyView, key_gather_for, key_view_for
+from guardrail.probe.fused_stats import fused_available
+from guardrail.probe.kv_layout import KeyGather, key_gather_for, key_view_for
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey, batched_logits, stats_from_logits
 from guardrail.protocol import (
     PROBE_ARG,
@@ -45,7 +39,9 @@ from guardrail.protocol import (
     ProbeResultData,
     injected_fault_message,
 )
+from guardrail.worker.fused import FusedLayers
 from guardrail.worker.hidden import HiddenReader, install_hidden
+from guardrail.worker.layer import Layer
 from guardrail.worker.results import FinishedStep, ResultStore
 from guardrail.worker.rows import (
     LAYOUT,
@@ -84,48 +80,6 @@ def _no_gather(
 
 
 @dataclass
-class Layer:
-    index: int
-    local_heads: torch.Tensor  # query heads of this rank to score, local indices
-    kv_heads: torch.Tensor  # [h, 1] the kv head each of them reads (GQA), local indices
-    global_heads: list[int]
-    impl: Any
-    original_forward: Any
-    had_instance_forward: bool
-    column: int = 0  # where its heads start in the step's table of this rank's heads
-    host_heads: list[int] = field(default_factory=list)  # ``local_heads`` on the host
-    host_kv_heads: list[int] = field(default_factory=list)  # ``kv_heads`` on the host
-    # fused kernel: the layer's place in the step's query stash while its group's one kernel
-    # scores it (-1: its own kernel, as it runs), the KV cache it ran on and that cache's
-    # address, and its queries' (shape of a token, dtype)
-    slot: int = -1
-    cache: torch.Tensor | None = None
-    cache_ptr: int = 0
-    query_form: tuple[Any, ...] = ()
-
-
-@dataclass
-class LayerGroup:
-    """Hooked layers whose stats one kernel computes at the end of each step (fused kernel): the
-    layers share scale, softcap, query form and their key views' geometry, so the kernel reads
-    each layer's keys at an element offset from the first's (``fused_stats.key_offsets``)."""
-
-    layers: list[Layer]  # its members, each with its stash slot
-    slots: int  # the stash's layers (a layer that left keeps its slot, unused)
-    keys: torch.Tensor  # the first member's key view
-    offsets: torch.Tensor  # [slots] int64: each slot's keys from ``keys``, in elements
-    columns: torch.Tensor  # [4, columns] int64: ``fused_stats.column_table`` of the members
-    scale: float
-    softcap: float | None
-    query_form: tuple[Any, ...]  # the members' queries: (shape of one token, dtype)
-
-
-def _kernel_form(layer: Layer) -> tuple[Any, ...]:
-    """What layers must share to be scored by one kernel, besides their key views' geometry."""
-    return float(layer.impl.scale), layer.impl.logits_soft_cap or None, layer.query_form
-
-
-@dataclass
 class Stops:
     """The step's early-stop decision, on the device, for the stop logits processor."""
 
@@ -155,13 +109,9 @@ class Probe:
     ``pop`` hands results to the caller, waiting for those copies (``guardrail.worker.results``).
 
     What ``score_layer`` does depends on the path. PyTorch: a few kernels for the layer's
-    logits, whose stats ``finish_step`` computes for all layers at once. Fused kernel
-    (``guardrail.probe.fused_stats``): in the first step that scores rows, each layer runs its
-    own kernel and records its KV cache; ``finish_step`` then groups the layers one kernel can
-    score together (``LayerGroup``: normally all). From then on a grouped layer only copies its
-    queries of the scored rows into the step's stash (one ``index_select``), and ``finish_step``
-    computes every grouped layer's stats in one launch, while every layer's keys are still in
-    its cache; a layer left out of the group keeps its own kernel.
+    logits, whose stats ``finish_step`` computes for all layers at once. Fused kernels
+    (``fused``, ``guardrail.worker.fused``): each layer's own kernel in the first step that
+    scores rows, then one launch per step for the layers grouped after it.
     """
 
     def __init__(
@@ -181,11 +131,7 @@ class Probe:
         self.finish_on_hidden = False  # ... or after this decoder layer's output
         self.needs_data_slots = False  # a hidden reader averages over the data tokens
         self.gather: KeyGather = _no_gather
-        self.key_view: KeyView | None = None  # the cache's keys by strides (fused kernel)
-        self.group: LayerGroup | None = None  # fused: the layers of the step's one kernel
-        self.group_tried = False  # fused: the group was formed (or could not be) ...
-        self.group_error: str | None = None  # ... and why not (each layer keeps its kernel)
-        self.caches_moved = False  # a grouped layer's cache has a new address: new offsets
+        self.fused: FusedLayers | None = None  # the fused kernels' path (``settings.fused``)
         self.columns = 0  # this rank's heads over all hooked layers: the stats table's width
         # internal request id -> probe key while the request still waits for its score, else None
         self.pending: dict[str, str | None] = {}
@@ -283,21 +229,9 @@ class Probe:
             )
             if self.needs_data_slots:  # the memo is read through the block table: check it
                 check_slots(self.rows, metadata.slot_mapping)
-            if self.settings.fused and self.rows.scored:
-                self._fused_buffers(self.rows)
+            if self.fused is not None and self.rows.scored:
+                self.fused.buffers(self.rows, self.columns)
         return self.rows
-
-    def _fused_buffers(self, rows: StepRows) -> None:
-        """The step's stats table and, once the layers are grouped, the query stash."""
-        rows.stats = torch.empty(
-            rows.scored, self.columns, WIDTH, dtype=torch.float32, device=self.device
-        )
-        group = self.group
-        if group is not None:
-            shape, dtype = group.query_form
-            rows.stash = torch.empty(
-                (group.slots, rows.scored, *shape), dtype=dtype, device=self.device
-            )
 
     # -- per layer -----------------------------------------------------------------------------
     def score_layer(
@@ -311,15 +245,11 @@ class Probe:
         rows = self.rows
         if not rows.scored:
             return
-        if rows.stash is not None and layer.slot >= 0:  # the group's kernel reads it at the end
+        fused = self.fused
+        if fused is not None and rows.stash is not None and layer.slot >= 0:  # grouped
             if layer.index == self.first_layer:
                 self._check_layout(rows, query, key, kv_cache)
-            # vLLM allocates each layer's cache once, its strides with it: a cache tensor at a
-            # new address is the one change to look for (never seen; regrouped at the end)
-            if kv_cache.data_ptr() != layer.cache_ptr:
-                layer.cache, self.caches_moved = kv_cache, True
-            assert rows.token_rows is not None
-            torch.index_select(query, 0, rows.token_rows, out=rows.stash[layer.slot])
+            fused.stash(layer, rows, query, kv_cache)
             return
         assert rows.token_column is not None and rows.head_slots is not None
         tokens, heads = rows.head_slots.shape[2], len(layer.global_heads)
@@ -330,8 +260,8 @@ class Probe:
         if layer.index == self.first_layer:
             self._check_layout(rows, query, key, kv_cache)
         queries = query.view(query.shape[0], -1, dim)  # [tokens, heads, dim]
-        if rows.stats is not None:
-            self._fused_layer(layer, query, kv_cache)
+        if fused is not None and rows.stats is not None:
+            fused.layer_stats(layer, rows, query, kv_cache)
             return
         # one gather each: the scored heads' queries [K, h, dim], their keys [K, h, T, dim]
         q = queries[rows.token_column, layer.local_heads]
@@ -357,31 +287,6 @@ class Probe:
         close = torch.isclose(cached.float(), computed.float(), rtol=1e-3, atol=1e-3)
         rows.flag(LAYOUT, ~close.flatten(1).all(1))
 
-    def _fused_layer(self, layer: Layer, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        """This layer's stats for every scored row and head, in one kernel, into the step's
-        table (``rows.stats``, at the layer's columns). Records the cache and the queries' form
-        for grouping (``_form_group``)."""
-        rows = self.rows
-        layer.cache, layer.query_form = kv_cache, (tuple(query.shape[1:]), query.dtype)
-        assert self.key_view is not None and rows.stats is not None
-        assert rows.token_rows is not None and rows.slots is not None
-        assert rows.lengths is not None and rows.instruction is not None and rows.data is not None
-        span_stats_into(
-            rows.stats,
-            layer.column,
-            query.view(query.shape[0], -1, query.shape[-1]),
-            rows.token_rows,
-            layer.local_heads,
-            layer.kv_heads[:, 0],
-            self.key_view(kv_cache),
-            rows.slots,
-            rows.lengths,
-            rows.instruction,
-            rows.data,
-            float(layer.impl.scale),
-            layer.impl.logits_soft_cap,
-        )
-
     # -- end of step ---------------------------------------------------------------------------
     def finish_step(self) -> None:
         """After the last hooked layer: focus and stop decisions on the device, then one
@@ -400,8 +305,8 @@ class Probe:
         self._decide_stops(rows, focus, table.get("flags"))
         if not self.store.discard:
             self._to_host(rows, table)
-        if rows.stats is not None and not self.group_tried:
-            self._form_group()
+        if self.fused is not None and rows.stats is not None and not self.fused.tried:
+            self.fused.form_group(list(self.layers.values()))
 
     def _to_host(self, rows: StepRows, table: dict[str, torch.Tensor]) -> None:
         """The step's table to the host in one non-blocking copy, into the store."""
@@ -437,8 +342,8 @@ class Probe:
         assert rows.flags is not None and rows.valid is not None
         assert rows.instruction is not None and rows.data is not None
         if rows.stats is not None:  # the fused kernels: the group's now, the others' already
-            if rows.stash is not None:
-                self._group_stats(rows, rows.stats, rows.stash)
+            if rows.stash is not None and self.fused is not None:
+                self.fused.group_stats(rows)
             stats = rows.stats
         else:
             logits = torch.cat(rows.logits, dim=1)  # [K, local heads of every layer, T]
@@ -461,84 +366,6 @@ class Probe:
             table["focus"] = focus
         table["flags"] = flags
         return table, focus
-
-    # -- fused kernel: one launch per step for the grouped layers ---------------------------------
-    def _form_group(self) -> None:
-        """After the first step in which every layer with heads ran its own kernel (so recorded
-        its cache): group those one kernel can score with the first (``LayerGroup``); the
-        others keep their own kernel. Never raises (without a group, each layer keeps its own)."""
-        candidates = [layer for layer in self.layers.values() if layer.global_heads]
-        if any(layer.cache is None for layer in candidates):
-            return  # a layer failed before its kernel ran: try after the next step
-        self.group_tried = True
-        if not candidates:  # tensor parallelism: this rank holds none of the heads
-            return
-        try:
-            for slot, layer in enumerate(candidates):
-                layer.slot = slot
-            self._regroup(candidates, len(candidates))
-        except Exception as exc:  # the per-layer kernels stay: same results, more host time
-            self.group, self.group_error = None, f"{type(exc).__name__}: {exc}"
-            for layer in candidates:
-                layer.slot = -1
-
-    def _regroup(self, candidates: list[Layer], slots: int) -> list[tuple[Layer, int]]:
-        """Make ``candidates`` (each with its stash slot) the group, less those whose key view
-        or kernel form differs from the first's: they leave it (slot -1) and are returned with
-        the slot they had. The tables reach the device in one copy, without a synchronisation."""
-        assert self.key_view is not None
-        views = [self.key_view(layer.cache) for layer in candidates if layer.cache is not None]
-        offsets = key_offsets(views)
-        form = _kernel_form(candidates[0])
-        packed = np.zeros(slots, dtype=np.int64)
-        members, left = [], []
-        for layer, offset in zip(candidates, offsets, strict=True):
-            if offset is None or _kernel_form(layer) != form or len(layer.query_form[0]) != 2:
-                left.append((layer, layer.slot))
-                layer.slot = -1
-                continue
-            packed[layer.slot] = offset
-            members.append(layer)
-        table = column_table(
-            [(lay.slot, lay.host_heads, lay.host_kv_heads, lay.column) for lay in members]
-        )
-        values = self.staging.to_device(np.concatenate([packed, table.ravel()]))
-        scale, softcap, query_form = form
-        columns = values[slots:].view(4, table.shape[1])
-        self.group = LayerGroup(
-            members, slots, views[0], values[:slots], columns, scale, softcap, query_form
-        )
-        for layer in members:
-            assert layer.cache is not None
-            layer.cache_ptr = layer.cache.data_ptr()
-        return left
-
-    def _group_stats(self, rows: StepRows, stats: torch.Tensor, queries: torch.Tensor) -> None:
-        """Every grouped layer's stats of the step, in one kernel, into ``stats``. Should a
-        grouped layer's cache have moved (never seen: vLLM allocates the caches once), the
-        offsets are rebuilt first; a layer that no longer fits is scored alone from the stash."""
-        group = self.group
-        assert group is not None and self.key_view is not None
-        assert rows.slots is not None and rows.lengths is not None
-        assert rows.instruction is not None and rows.data is not None
-        masks = (rows.slots, rows.lengths, rows.instruction, rows.data)
-        if self.caches_moved:
-            self.caches_moved = False
-            for layer, slot in self._regroup(group.layers, group.slots):
-                assert layer.cache is not None
-                scale, softcap, _ = _kernel_form(layer)
-                token_rows = torch.arange(rows.scored, device=stats.device)
-                heads = (layer.local_heads, layer.kv_heads[:, 0], self.key_view(layer.cache))
-                span_stats_into(
-                    stats, layer.column, queries[slot], token_rows, *heads, *masks,
-                    scale, softcap,
-                )  # fmt: skip
-            group = self.group
-            assert group is not None
-        span_stats_layers_into(
-            stats, queries, group.columns, group.keys, group.offsets, *masks,
-            group.scale, group.softcap,
-        )  # fmt: skip
 
     def _combine_ranks(
         self, stats: torch.Tensor, flags: torch.Tensor
@@ -678,7 +505,7 @@ def install_probe(
             local.append(head)
     # one backend serves every layer: its key reader (refused here if it has none) and view
     gather: KeyGather = _no_gather
-    key_view: KeyView | None = None
+    key_view = None
     if by_layer:
         first = attention_layers[min(by_layer)]
         backend = (type(first.impl).__name__, getattr(first, "isa", None))
@@ -691,7 +518,9 @@ def install_probe(
         fused=key_view is not None and fused_available(runner.device),
     )
     probe = Probe(heads, fault_keys, settings, config)
-    probe.gather, probe.key_view = gather, key_view
+    probe.gather = gather
+    if settings.fused and key_view is not None:
+        probe.fused = FusedLayers(key_view, probe.staging, settings.device)
     for layer_index, global_heads in sorted(by_layer.items()):
         module = attention_layers[layer_index]
         local_kv = int(getattr(module.impl, "num_kv_heads", info["num_kv_heads"]))
@@ -752,7 +581,7 @@ def _no_full_graph_while_scoring(probe: Probe, runner: Any) -> None:
 
 def uninstall_probe(probe: Probe) -> None:
     """Put every wrapped ``impl.forward`` back: the engine runs exactly as before."""
-    probe.group = None  # drops its references to the KV caches
+    probe.fused = None  # drops the group's references to the KV caches
     for layer in probe.layers.values():
         layer.cache = None
         if layer.had_instance_forward:

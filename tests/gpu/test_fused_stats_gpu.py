@@ -110,7 +110,8 @@ def test_the_probe_launches_once_per_step_on_the_gpu():
     caches, queries, heads, kv_heads, *masks = layers_case(lengths, spans, device="cuda")
     probe = fused_probe(device="cuda")
     first = run_step(probe, caches, queries, *masks)
-    assert probe.group is not None and len(probe.group.layers) == 3, probe.group_error
+    fused = probe.fused
+    assert fused.group is not None and len(fused.group.layers) == 3, fused.error
     second = run_step(probe, caches, queries, *masks)
     assert first.stash is None and second.stash is not None
     torch.testing.assert_close(second.stats, first.stats, rtol=1e-6, atol=1e-6)

@@ -135,23 +135,29 @@ def test_key_offsets_refuse_views_of_another_geometry():
 # -- the worker's probe: its layers grouped into the step's one launch ---------------------------
 
 
+def grouped(probe) -> list[int] | None:
+    """The layers of the probe's one-launch group (None: no group)."""
+    group = probe.fused.group
+    return None if group is None else [layer.index for layer in group.layers]
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """How often each launch ran (the real functions run)."""
-    from guardrail.worker import probe as worker_probe
+    from guardrail.worker import fused as worker_fused
 
     counts = {"per layer": 0, "every layer": 0}
     for name, label in (
         ("span_stats_into", "per layer"),
         ("span_stats_layers_into", "every layer"),
     ):
-        real = getattr(worker_probe, name)
+        real = getattr(worker_fused, name)
 
         def counted(*args, _real=real, _label=label, **kwargs):
             counts[_label] += 1
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(worker_probe, name, counted)
+        monkeypatch.setattr(worker_fused, name, counted)
     return counts
 
 
@@ -161,7 +167,7 @@ def test_the_probe_scores_every_layer_in_one_launch_from_its_second_step(launche
     probe = fused_probe()
     first = run_step(probe, caches, queries, *masks)  # each layer its kernel; records its cache
     assert launches == {"per layer": 3, "every layer": 0} and first.stash is None
-    assert probe.group is not None and [lay.index for lay in probe.group.layers] == [2, 5, 9]
+    assert grouped(probe) == [2, 5, 9]
     second = run_step(probe, caches, queries, *masks)
     assert launches == {"per layer": 3, "every layer": 1} and second.stash is not None
     assert torch.equal(second.stats, first.stats)
@@ -174,7 +180,7 @@ def test_a_layer_with_another_softcap_keeps_its_own_kernel(launches):
     caches, queries, heads, kv_heads, *masks = layers_case(lengths, spans)
     probe = fused_probe(softcaps=(None, 5.0, None))
     run_step(probe, caches, queries, *masks)
-    assert probe.group is not None and [lay.index for lay in probe.group.layers] == [2, 9]
+    assert grouped(probe) == [2, 9]
     rows = run_step(probe, caches, queries, *masks)
     assert launches == {"per layer": 4, "every layer": 1}
     expected = torch.cat(
@@ -206,6 +212,6 @@ def test_a_cache_at_a_new_address_is_followed(launches):
     relaid = [caches[0], head_major, moved[2]]
     assert torch.equal(run_step(probe, relaid, queries, *masks).stats, expected)
     assert launches == {"per layer": 4, "every layer": 2}
-    assert probe.group is not None and [lay.index for lay in probe.group.layers] == [2, 9]
+    assert grouped(probe) == [2, 9]
     assert torch.equal(run_step(probe, relaid, queries, *masks).stats, expected)
     assert launches == {"per layer": 5, "every layer": 3}

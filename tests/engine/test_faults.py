@@ -398,15 +398,34 @@ def test_a_wrong_kv_reader_is_caught_by_the_live_layout_check(tiny_engine):
     assert again.probe.error is None and again.probe.focus is not None
 
 
+@pytest.mark.parametrize("store", ["pushed", "popped"])
 def test_results_evicted_from_a_full_store_are_missing_never_another_score(
-    tiny_engine, monkeypatch
+    tiny_engine, monkeypatch, store
 ):
+    """Pushed: the caller's inbox keeps at most so many results; popped (the push stopped, as
+    for a worker on another host): the worker's store does."""
+    import guardrail.engine.inbox as inbox  # the caller's store of pushed results
     import guardrail.worker.results as worker_results  # the in-process engine's result store
+    from guardrail.protocol import RPC_PUSH_RESULTS
 
     reference = [o.probe.focus for o in tiny_engine.score(REQUESTS)]
     assert all(f is not None for f in reference)
-    monkeypatch.setattr(worker_results, "MAX_STORED_RESULTS", 3)
-    outputs = tiny_engine.score(REQUESTS)
+    if store == "pushed":
+        monkeypatch.setattr(inbox, "MAX_STORED_RESULTS", 3)
+    else:
+        monkeypatch.setattr(worker_results, "MAX_STORED_RESULTS", 3)
+        tiny_engine.llm.collective_rpc(RPC_PUSH_RESULTS, args=(None, ""))
+    try:
+        _check_eviction(tiny_engine, reference)
+    finally:
+        monkeypatch.undo()
+        if store == "popped":
+            tiny_engine.llm.collective_rpc(RPC_PUSH_RESULTS, args=tiny_engine._inbox.push_args)
+    assert all(o.probe.error is None for o in tiny_engine.score(REQUESTS))
+
+
+def _check_eviction(engine, reference) -> None:  # type: ignore[no-untyped-def]
+    outputs = engine.score(REQUESTS)
     missing = [o.index for o in outputs if o.probe.error is not None]
     assert missing, "the store kept every result: the eviction was not exercised"
     assert len(missing) >= len(REQUESTS) - 3
@@ -416,14 +435,12 @@ def test_results_evicted_from_a_full_store_are_missing_never_another_score(
             assert output.probe.focus is None
         else:  # a kept result is its own request's score, never another's
             assert output.probe.focus == pytest.approx(focus, abs=1e-6)
-    guarded = GuardedLLM.from_engine(tiny_engine).score(REQUESTS)
+    guarded = GuardedLLM.from_engine(engine).score(REQUESTS)
     for result in guarded:
         verdict = result.verdict
         assert verdict is not None
         if verdict.probe_error is not None:
             assert verdict.blocked and verdict.failure is FailureMode.FAIL_CLOSED
-    monkeypatch.undo()
-    assert all(o.probe.error is None for o in tiny_engine.score(REQUESTS))
 
 
 # -- an interrupted call, bad arguments --------------------------------------------------------

@@ -126,6 +126,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "the probe's spans are placed while it renders, and the model's config was calibrated "
         "on its own template: check the threshold on your traffic (default: the model's own)",
     )
+    own.add_argument(
+        "--response-role",
+        default="assistant",
+        metavar="ROLE",
+        help="the role of every chat answer, as `vllm serve` (default: assistant)",
+    )
     own.add_argument("--host", default="127.0.0.1", help="address to listen on")
     own.add_argument("--port", type=int, default=8000, help="port to listen on")
     own.add_argument("--max-tokens", type=int, default=256, help="when a request sets none")

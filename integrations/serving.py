@@ -138,9 +138,15 @@ class _Answer:
     its logprobs are rendered, when it asked for them."""
 
     def __init__(
-        self, chat: bool, model: str, request_id: str, logprobs: RequestLogprobs | None = None
+        self,
+        chat: bool,
+        model: str,
+        request_id: str,
+        logprobs: RequestLogprobs | None = None,
+        role: str = "assistant",
     ) -> None:
         self.chat = chat
+        self.role = role  # the answer's role (``--response-role``, as ``vllm serve``)
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
@@ -157,7 +163,7 @@ class _Answer:
         if not self.chat:
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if delta else "message"
-        content: dict[str, Any] = {"role": "assistant", "content": text}
+        content: dict[str, Any] = {"role": self.role, "content": text}
         if tool_calls is not None:
             content["tool_calls"] = tool_calls
         return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
@@ -324,6 +330,7 @@ class _Served:
     policy_sets: dict[str, Sequence[Policy]]
     data_marking: DelimitedData | None
     tool_calling: ToolCalling
+    response_role: str = "assistant"
     guard: Any = None  # AsyncGuardedLLM, once started
     model: str = ""
     max_model_len: int = 0
@@ -353,6 +360,7 @@ def build_app(
     policy_sets: Mapping[str, Sequence[Policy]] | None = None,
     data_marking: DelimitedData | None = None,
     tool_calling: ToolCalling | None = None,
+    response_role: str = "assistant",
 ) -> FastAPI:
     """The guarded server's app. ``start`` builds the guard on the server's event loop (at
     start-up; the running app holds it as ``app.state.guard``); ``registry`` is where the
@@ -363,13 +371,15 @@ def build_app(
     ``data_marking``: a server-side rule marking delimited text as data
     (``_server_marking.DelimitedData``). ``tool_calling``: ``--enable-auto-tool-choice`` and
     ``--tool-call-parser`` (``_openai_tools``; default: neither, so tools are rendered only
-    with ``tool_choice: "none"``)."""
+    with ``tool_choice: "none"``). ``response_role``: the role of every chat answer, as
+    ``vllm serve --response-role``."""
     served = _Served(
         served_model_name,
         default_max_tokens,
         dict(policy_sets or {}),
         data_marking,
         tool_calling or ToolCalling(),
+        response_role,
     )
     app = FastAPI(title="vllm-guardrail", lifespan=_lifespan(start, served))
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_request_bytes)
@@ -602,7 +612,7 @@ async def _answer(
     request_id = uuid.uuid4().hex
     top = body.num_logprobs
     logprobs = None if top is None else RequestLogprobs(chat=chat, top=top)
-    form = _Answer(chat, served.model, request_id, logprobs)
+    form = _Answer(chat, served.model, request_id, logprobs, served.response_role)
     policies = None if policy_set is None else served.policy_sets[policy_set]
     chunks = guard.stream(request, params, policies=policies, request_id=request_id)
     first = await _first_chunk(chunks)
@@ -768,6 +778,7 @@ def main(argv: list[str] | None = None) -> None:
         policy_sets=overrides,
         data_marking=None if args.data_between is None else DelimitedData(*args.data_between),
         tool_calling=tool_calling,
+        response_role=args.response_role,
     )
     # Exit handlers run last-registered first: the engine's own (a collection that frees the
     # closed engine, registered when it closes) run before this one, which then freezes what is

@@ -486,7 +486,7 @@ def command_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactor
     command += ["--max-model-len", "256", "--dtype", "float32", "--max-num-seqs", "4"]
     template = folder / "chat.jinja"  # renders tools (the tiny Llama's own template does not)
     template.write_text(SERVED_TEMPLATE)
-    command += ["--chat-template", str(template)]
+    command += ["--chat-template", str(template), "--response-role", "agent"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -553,6 +553,7 @@ def test_the_command_renders_with_its_chat_template(
     )
     assert '"name": "get_weather"' in given.text and "get_weather" not in own.text
     assert answer.usage.prompt_tokens == len(given.token_ids)  # the engine ran that rendering
+    assert answer.choices[0].message.role == "agent"  # --response-role, as vllm serve
     verdict = answer.model_extra["guardrail"]
     assert [tuple(s) for s in verdict["instruction_spans"]] == given.instruction_spans
 

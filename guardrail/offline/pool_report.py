@@ -129,6 +129,7 @@ def write_report(
 ) -> list[Path]:
     """The report at ``path`` (JSON), its tables (``.md``) and, with matplotlib, the ROC curves
     of each source left out (``.png``); the paths written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report_doc(result, skipped), indent=1) + "\n")
     markdown = path.with_suffix(".md")
     markdown.write_text(report_markdown(result))

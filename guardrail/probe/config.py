@@ -245,7 +245,8 @@ class ModelProbeConfig(ConfigModel):
             f"head(s), {threshold}, none of it measured on this model): its verdicts are "
             "unreliable. Calibrate it: `guardrail calibrate --model MODEL --out DIR` (the "
             "packaged calibration pool; --data ROWS.jsonl for your own rows), then serve with "
-            "the config it writes"
+            "the config it writes: DIR/NAME.json (attention heads: any engine mode) or "
+            "DIR/NAME.combined.json (attention and hidden state: eager engines)"
         )
 
     @model_validator(mode="after")

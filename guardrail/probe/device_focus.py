@@ -55,23 +55,26 @@ class DeviceFocus:
         absent = [layer for layer in layers if layer not in term_layers]
         if absent:
             raise ValueError(f"the probe reads no hidden-state term of layers {absent}")
+        self.is_mass = torch.tensor([True] * 4 + [False], device=device)  # of the 5 stats
         self.term_columns = torch.tensor(
             [list(term_layers).index(layer) for layer in layers], dtype=torch.long, device=device
         )
 
     def __call__(self, stats: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
         s = stats.index_select(1, self.columns).double()  # [rows, config heads, 5]
-        focus = s[..., 0] / (s[..., 0] + s[..., 1] + EPS)
-        if not self.logistic:
-            return focus.mean(-1)
-        if self.feature == "attention_stats":
-            logs = torch.log(s[..., :4].clamp(min=LOG_FLOOR))
-            features = torch.cat([logs, s[..., 4:5]], dim=-1).flatten(1)
-        elif self.feature == "logit_focus":
-            clipped = focus.clamp(LOGIT_EPS, 1.0 - LOGIT_EPS)
-            features = torch.log(clipped / (1.0 - clipped))
+        if self.logistic and self.feature == "attention_stats":
+            # the four masses' logs (floored) and the entropy as it is, in one pass
+            features = torch.where(self.is_mass, s.clamp(min=LOG_FLOOR).log(), s).flatten(1)
         else:
-            features = focus
+            focus = s[..., 0] / (s[..., 0] + s[..., 1] + EPS)
+            if not self.logistic:
+                return focus.mean(-1)
+            if self.feature == "logit_focus":
+                clipped = focus.clamp(LOGIT_EPS, 1.0 - LOGIT_EPS)
+                features = torch.log(clipped / (1.0 - clipped))
+            else:
+                features = focus
         z = self.bias + features @ self.weights
-        z = z + terms.index_select(1, self.term_columns).double().sum(-1)
+        if self.term_columns.numel():
+            z = z + terms.index_select(1, self.term_columns).double().sum(-1)
         return 1.0 - torch.sigmoid(z)

@@ -78,6 +78,7 @@ class FusedLayers:
             rows.stash = torch.empty(
                 (group.slots, rows.scored, *token), dtype=dtype, device=self.device
             )
+            rows.stash_slots = rows.stash.unbind(0)  # each layer's part, as views at once
 
     def stash(self, layer: Layer, rows: StepRows, query: torch.Tensor, kv_cache: Any) -> None:
         """A grouped layer's part of the step: its scored rows' queries into the stash, for the
@@ -86,8 +87,8 @@ class FusedLayers:
         # address is the one change to look for (never seen; regrouped at the end)
         if kv_cache.data_ptr() != layer.cache_ptr:
             layer.cache, self.caches_moved = kv_cache, True
-        assert rows.token_rows is not None and rows.stash is not None
-        torch.index_select(query, 0, rows.token_rows, out=rows.stash[layer.slot])
+        assert rows.token_rows is not None
+        torch.index_select(query, 0, rows.token_rows, out=rows.stash_slots[layer.slot])
 
     def layer_stats(self, layer: Layer, rows: StepRows, query: torch.Tensor, kv_cache: Any) -> None:
         """This layer's stats for every scored row and head, in one kernel, into the step's

@@ -51,6 +51,7 @@ from guardrail.worker.rows import (
     StepRows,
     batch_layout,
     check_slots,
+    host_block_table,
     plan_rows,
 )
 
@@ -226,6 +227,7 @@ class Probe:
                 self.fault_keys,
                 self.fault_message,
                 self.staging,
+                host_block_table(runner),
             )
             if self.needs_data_slots:  # the memo is read through the block table: check it
                 check_slots(self.rows, metadata.slot_mapping)
@@ -314,13 +316,15 @@ class Probe:
         flat = []
         at = 0
         for name, part in table.items():
-            part = part.reshape(rows.scored, -1).double()
+            part = part.reshape(rows.scored, -1)  # a view
             columns[name] = slice(at, at + part.shape[1])
             at += part.shape[1]
             flat.append(part)
         event = buffer = None
         if flat:
-            device_table = torch.cat(flat, dim=1)
+            device_table = torch.cat(flat, dim=1)  # one kernel: cat promotes the dtypes
+            if device_table.dtype != torch.float64:  # no focus (float64) among them
+                device_table = device_table.double()
             if device_table.device.type == "cuda":
                 buffer = self.store.take_buffer(device_table.numel())
                 host = buffer[: device_table.numel()].view(device_table.shape)
@@ -402,6 +406,9 @@ class Probe:
         ]
         if not wanted:
             return
+        if focus is not None and flags is not None and len(wanted) == len(rows) == rows.scored:
+            self.stops = self._stops_of_every_row(rows, focus, flags)
+            return
         host_stop = [
             rows.stop_on_error[i] if rows.errors[i] is not None or focus is None else False
             for i in wanted
@@ -440,6 +447,19 @@ class Probe:
             values[2 * n : 3 * n].long(),
             stop,
         )
+
+    def _stops_of_every_row(self, rows: StepRows, focus: Any, flags: torch.Tensor) -> Stops:
+        """``_decide_stops`` where every row of the step wants a stop and was scored (the table's
+        rows are the step's, in order): one copy of the host values, a few kernels."""
+        n = len(rows)
+        packed = np.empty((4, n), dtype=np.float64)  # exact for every index and token id
+        packed[0] = rows.batch_index
+        packed[1] = rows.stop_token
+        packed[2] = rows.stop_below
+        packed[3] = rows.stop_on_error
+        batch_index, tokens, below, on_error = self.staging.to_device(packed).unbind(0)
+        stop = torch.where(flags.any(1), on_error.bool(), focus <= below)
+        return Stops(list(rows.batch_index), batch_index.long(), tokens.long(), stop)
 
 
 def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:

@@ -30,6 +30,7 @@ __all__ = [
     "StepRows",
     "batch_layout",
     "check_slots",
+    "host_block_table",
     "plan_rows",
 ]
 
@@ -82,6 +83,7 @@ class StepRows:
     # [stash slots, K, heads, dim]: each grouped layer's queries at the rows' ``token_rows``,
     # read by the fused kernel of the whole layer group at the end of the step
     stash: torch.Tensor | None = None
+    stash_slots: tuple[torch.Tensor, ...] = ()  # ``stash.unbind(0)``: each grouped layer's part
     flags: torch.Tensor | None = None  # [K, len(FLAG_MESSAGES)] bool
     logits: list[torch.Tensor] = field(default_factory=list)  # per hooked layer [K, heads, T]
     terms: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K] logit term
@@ -146,6 +148,7 @@ def plan_rows(
     faults: set[str],
     fault_message: str,
     staging: HostStaging,
+    host_table: np.ndarray | None = None,
 ) -> StepRows:
     """The step's rows from ``found`` = [(batch index, token row of the last prompt token,
     vLLM's request state)], with their device tensors built in a handful of copies. A request
@@ -173,7 +176,7 @@ def plan_rows(
         if error is None:
             rows.ok.append(len(rows.keys) - 1)
     if rows.ok:
-        _device_tensors(rows, found, metadata, block_size, staging)
+        _device_tensors(rows, found, metadata, block_size, staging, host_table)
     return rows
 
 
@@ -238,17 +241,40 @@ class PinnedTables:
             self._free.append(buffer)
 
 
+def host_block_table(runner: Any) -> np.ndarray | None:
+    """The model runner's host copy of the block table (the one it copies to the device for the
+    step), where the engine has one KV cache group; None otherwise (the device table is read)."""
+    tables = getattr(getattr(runner.input_batch, "block_table", None), "block_tables", None)
+    if not isinstance(tables, list) or len(tables) != 1:
+        return None
+    host = getattr(getattr(tables[0], "block_table", None), "np", None)
+    return host if isinstance(host, np.ndarray) else None
+
+
 def _device_tensors(
     rows: StepRows,
     found: list[tuple[int, int, Any]],
     metadata: Any,
     block_size: int,
     staging: HostStaging,
+    host_table: np.ndarray | None,
 ) -> None:
-    """Masks and KV slots of the scored rows: two host-to-device copies, one gather."""
+    """Masks, indices, KV slots and zeroed flags of the scored rows, in one host-to-device copy:
+    the slots come from the runner's host block table (``host_table``), or, without one, from
+    the device's in a few kernels. Everything else on the device is a view of that copy."""
     ok = rows.ok
+    k = len(ok)
     width = max(rows.num_prompt_tokens[i] for i in ok)
-    masks = np.zeros((3, len(ok), width), dtype=np.bool_)
+    blocks_per_row = (width + block_size - 1) // block_size
+    # bytes: masks [3, K, T] and flags [K, flags] (bool), padded to 8, then int64: per row
+    # batch index, token row, last position, prompt length; then KV slots [K, T] and the last
+    # prompt token's slot [K] where the host has the block table
+    mask_bytes = 3 * k * width
+    flag_bytes = k * len(FLAG_MESSAGES)
+    at = -(-(mask_bytes + flag_bytes) // 8) * 8
+    longs = 4 * k + (k * width + k if host_table is not None else 0)
+    packed = np.zeros(at + 8 * longs, dtype=np.uint8)
+    masks = packed[:mask_bytes].view(np.bool_).reshape(3, k, width)
     for r, i in enumerate(ok):
         spec: ProbeSpec = found[i][2].sampling_params.extra_args[PROBE_ARG]
         masks[0, r, : rows.num_prompt_tokens[i]] = True
@@ -256,30 +282,39 @@ def _device_tensors(
             masks[1, r, a:b] = True
         for a, b in spec["data"]:
             masks[2, r, a:b] = True
-    # one row per quantity, so each is a contiguous [K] tensor on the device (the fused kernel
-    # reads them by row index): batch index, token row, last position, prompt length
-    index = np.array(
-        [
-            [rows.batch_index[i] for i in ok],
-            [found[i][1] for i in ok],
-            [rows.num_prompt_tokens[i] - 1 for i in ok],
-            [rows.num_prompt_tokens[i] for i in ok],
-        ],
-        dtype=np.int64,
-    )
-    table = metadata.block_table
-    device = table.device
-    masks_d, index_d = staging.to_device(masks), staging.to_device(index)
-    rows.valid, rows.instruction, rows.data = masks_d[0], masks_d[1], masks_d[2]
-    rows.token_rows = index_d[1]
+    ints = packed[at:].view(np.int64)
+    batch = np.array([rows.batch_index[i] for i in ok], dtype=np.int64)
+    last = np.array([rows.num_prompt_tokens[i] - 1 for i in ok], dtype=np.int64)
+    ints[:k] = batch
+    ints[k : 2 * k] = [found[i][1] for i in ok]
+    ints[2 * k : 3 * k] = last
+    ints[3 * k : 4 * k] = last + 1
+    if host_table is not None:
+        blocks = host_table[batch, :blocks_per_row].astype(np.int64)
+        offsets = np.arange(block_size, dtype=np.int64)
+        slots = (blocks[:, :, None] * block_size + offsets).reshape(k, -1)[:, :width]
+        ints[4 * k : 4 * k + k * width] = slots.reshape(-1)
+        ints[4 * k + k * width :] = slots[np.arange(k), last]
+    on_device = staging.to_device(packed)
+    masks_d = on_device[:mask_bytes].view(torch.bool).view(3, k, width)
+    rows.valid, rows.instruction, rows.data = masks_d.unbind(0)
+    rows.flags = on_device[mask_bytes : mask_bytes + flag_bytes].view(torch.bool).view(k, -1)
+    ints_d = on_device[at:].view(torch.int64)
+    index_d = ints_d[: 4 * k].view(4, k)
+    batch_d, rows.token_rows, last_d, rows.lengths = index_d.unbind(0)
     rows.token_column = rows.token_rows[:, None]
-    blocks = table.index_select(0, index_d[0])[:, : (width + block_size - 1) // block_size]
-    positions = torch.arange(width, device=device)
-    rows.slots = blocks.long()[:, positions // block_size] * block_size + positions % block_size
+    if host_table is not None:
+        rows.slots = ints_d[4 * k : 4 * k + k * width].view(k, width)
+        rows.last_slots = ints_d[4 * k + k * width :]
+    else:
+        table = metadata.block_table
+        blocks_d = table.index_select(0, batch_d)[:, :blocks_per_row]
+        positions = torch.arange(width, device=table.device)
+        rows.slots = (
+            blocks_d.long()[:, positions // block_size] * block_size + positions % block_size
+        )
+        rows.last_slots = rows.slots.gather(1, last_d[:, None])[:, 0]
     rows.head_slots = rows.slots[:, None, :]
-    last, rows.lengths = index_d[2], index_d[3]
-    rows.last_slots = rows.slots.gather(1, last[:, None])[:, 0]
-    rows.flags = torch.zeros(len(ok), len(FLAG_MESSAGES), dtype=torch.bool, device=device)
 
 
 def check_slots(rows: StepRows, slot_mapping: torch.Tensor) -> None:

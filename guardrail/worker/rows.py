@@ -211,9 +211,12 @@ class HostStaging:
         host = buffer[: values.nbytes]
         host.numpy()[:] = values.reshape(-1).view(np.uint8)
         out = host.to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
+        event = self._events[slot]
+        if event is None:  # one per slot, recorded again at each use
+            event = self._events[slot] = torch.cuda.Event()
         event.record()
-        self._events[slot] = event
+        if values.dtype == np.uint8:
+            return out.view(values.shape)
         dtype = torch.from_numpy(np.empty(0, dtype=values.dtype)).dtype
         return out.view(dtype).view(values.shape)
 

@@ -28,7 +28,8 @@ def test_staged_copies_arrive_intact_behind_queued_work():
                 rng.random(shape) > 0.5,
                 rng.integers(-(2**40), 2**40, size=shape[1:]),
                 rng.normal(size=shape[2]),
-            ][i % 3]
+                rng.integers(0, 256, size=shape, dtype=np.uint8),  # the plan's packed bytes
+            ][i % 4]
             start = time.perf_counter()
             got.append(staging.to_device(values))
             enqueue = time.perf_counter() - start

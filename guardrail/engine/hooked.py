@@ -35,6 +35,7 @@ from guardrail.engine.install import (
     check_sizes_from_files,
     engine_arguments,
     engine_probe_config,
+    stream_tap_arguments,
 )
 from guardrail.engine.steering import ResolvedSteering, SteeringClient
 from guardrail.engine.types import (
@@ -117,7 +118,9 @@ class HookedLLM(HookedBase):
         self._handle = EngineHandle()
         self._finalizer = weakref.finalize(self, self._handle.close, FINALIZE_LOCK_WAIT_S)
         with EngineHandle.spawning():
-            llm = LLM(model=self.model, **EngineHandle.start_arguments(arguments))
+            start = EngineHandle.start_arguments(arguments)
+            raw_layers = [*probe_hidden_layers, *probe_data_mean_layers]
+            llm = LLM(model=self.model, **stream_tap_arguments(start, self.config, raw_layers))
         self._handle.llm = llm
         try:  # from here on, any failure or Ctrl-C closes the engine before propagating
             self._handle.watch()

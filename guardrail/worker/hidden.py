@@ -220,7 +220,8 @@ def install_hidden(
     """Hook the decoder layers of ``config.hidden``, ``raw_layers`` (the last token's whole
     stream returned) and ``raw_mean_layers`` (the data tokens' mean stream returned) for
     ``probe`` (a ``guardrail.worker.probe.Probe``); its step then finishes after the last of its
-    attention layers and these."""
+    attention layers and these. A layer tapped at model load is read through its tap
+    (compiled engines), any other through a forward hook (eager engines)."""
     raw_mean_layers = raw_mean_layers or []
     parts = (config.hidden if config is not None else None) or []
     wanted = sorted({p.layer for p in parts} | set(raw_layers) | set(raw_mean_layers))

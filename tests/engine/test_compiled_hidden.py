@@ -7,7 +7,8 @@ the stream taps its worker put on the decoder layers before vLLM compiled them. 
 of an 18-request batch (chunked prefill: 128 tokens per step; the second pass serves the
 prompts, data included, from the prefix cache) must give the hidden terms Hugging Face gives on
 the same token ids, within 5e-6, and the focus the caller computes from them. The engine is
-shared by the module: compiling takes most of its start-up.
+shared by the module: compiling takes most of its start-up (2 cores: ~10 s with Inductor's cache
+warm, ~85 s cold, so the module is marked slow; it also starts an engine of its own).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import pytest
 
 from tests.engine.test_hidden_state import hf_streams
 from tests.helpers import hf_head_stats, mixed_batch, start_engine, tiny_hidden_config
+
+pytestmark = pytest.mark.slow
 
 RAW_LAYERS = [0, 1]
 TERM_TOLERANCE = 5e-6

@@ -76,7 +76,8 @@ class HookedLLM(HookedBase):
     the model; ``probe_heads`` overrides which heads are scored ("all" scores every head of
     every layer, for calibration); ``probe_hidden_layers`` names decoder layers whose whole
     residual stream at the last prompt token each result carries (``ProbeResult.hidden_states``,
-    for calibration; needs ``enforce_eager=True``, like a config with a hidden-state part), and
+    for calibration; like a config with a hidden-state part, it needs ``enforce_eager=True``
+    except on a CPU, where compiled engines read it too: docs/compiled-hidden.md), and
     ``probe_data_mean_layers`` those whose stream averaged over the data tokens it carries
     (``ProbeResult.data_mean_states``; costs ``hidden_size`` float32 per KV slot per layer).
     Other keyword arguments go to ``vllm.LLM`` unchanged.

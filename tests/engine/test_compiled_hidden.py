@@ -122,3 +122,22 @@ def test_compiled_early_stop_uses_the_hidden_terms(compiled: Any) -> None:
     )
     assert above.probe.stopped and len(above.token_ids) <= 1
     assert not below.probe.stopped and len(below.token_ids) > 1
+
+
+def test_compiled_terms_equal_the_eager_engines(compiled: Any, tiny_hidden_engine: Any) -> None:
+    """The same config on the session's eager engine (forward hooks): the same terms, streams
+    and focus, request by request."""
+    assert tiny_hidden_engine.config == compiled.config
+    batch = mixed_batch()
+    params = compiled.sampling(max_tokens=1)
+    eager = tiny_hidden_engine.generate(batch, params)
+    for mine, theirs in zip(compiled.generate(batch, params), eager, strict=True):
+        a, b = mine.probe, theirs.probe
+        assert a.error is None and b.error is None
+        assert sorted(a.hidden) == sorted(b.hidden)
+        for layer, term in b.hidden.items():
+            assert _deviation(f"eager term layer {layer}", a.hidden[layer], term) <= TERM_TOLERANCE
+        for layer in RAW_LAYERS:
+            got, want = a.hidden_states[layer], b.hidden_states[layer]
+            assert _deviation("eager last stream", got, want) <= STREAM_TOLERANCE
+        assert _deviation("eager focus", a.focus, b.focus) <= 2e-5

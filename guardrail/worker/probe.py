@@ -353,8 +353,12 @@ class Probe:
             stats, flags = self._combine_ranks(stats, flags)
         # a layer whose read-out did not run in this step (no hook or tap fired) gives NaN: the
         # row fails (NONFINITE), never scored without the term
-        missing = torch.full((rows.scored,), float("nan"), device=stats.device)
-        terms = [rows.terms.get(layer, missing) for layer in self.term_layers]
+        terms = [
+            rows.terms[layer]
+            if layer in rows.terms
+            else torch.full((rows.scored,), float("nan"), dtype=torch.float32, device=stats.device)
+            for layer in self.term_layers
+        ]
         term_table = torch.stack(terms, dim=1) if terms else stats.new_zeros(rows.scored, 0)
         if terms:
             flags[:, NONFINITE] |= ~torch.isfinite(term_table).all(1)

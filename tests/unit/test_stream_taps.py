@@ -20,7 +20,6 @@ from guardrail.worker.hidden import _check_compiled
 from guardrail.worker.probe import Probe, ProbeSettings
 from guardrail.worker.rows import FLAG_MESSAGES, NONFINITE, StepRows
 from guardrail.worker.stream_op import READERS, StreamReaders, make_tap, tapped_layers
-from guardrail.worker.taps import GuardrailCPUWorker, install_taps, tap_layers
 from tests.helpers import tiny_hidden_config
 
 
@@ -123,6 +122,8 @@ def test_a_tap_traced_by_torch_compile_calls_the_reader_with_the_layers_output()
 
 
 def test_install_taps_taps_the_layers_in_additional_config() -> None:
+    taps = pytest.importorskip("guardrail.worker.taps")  # vLLM's CPU worker: the CPU build
+    install_taps, tap_layers = taps.install_taps, taps.tap_layers
     model = Tiny()
     runner = SimpleNamespace(
         vllm_config=SimpleNamespace(additional_config={STREAM_TAPS_KEY: [2, 0, 2]}),
@@ -136,7 +137,7 @@ def test_install_taps_taps_the_layers_in_additional_config() -> None:
         install_taps(runner)
     runner.vllm_config.additional_config = {}
     assert install_taps(runner) == []
-    assert GuardrailCPUWorker.__mro__[1].__name__ == "CPUWorker"
+    assert taps.GuardrailCPUWorker.__mro__[1].__name__ == "CPUWorker"
 
 
 # -- the worker's refusal, the engine's arguments --------------------------------------------

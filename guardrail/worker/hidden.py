@@ -280,8 +280,9 @@ def _check_compiled(info: dict[str, Any], wanted: list[int], tapped: set[int]) -
     if info["enforce_eager"] or not missing:
         return
     where = (
-        "this engine's worker tapped no decoder layer at model load: start it through "
-        "guardrail's engines (HookedLLM, AsyncHookedLLM), which ask vLLM for the tapping worker"
+        "a compiled CPU engine reads only the layers its worker tapped at model load "
+        "(HookedLLM and AsyncHookedLLM have vLLM tap those of their config and calibration "
+        "layers)"
         if str(info["device"]).startswith("cpu")
         else f"compiled engines on {info['device']} cannot tap decoder layers yet "
         "(docs/compiled-hidden.md)"

@@ -37,6 +37,9 @@ __all__ = [
     "RPC_UNLOAD_STEERING",
     "STEER_ARG",
     "STOP_PROCESSOR",
+    "STREAM_OP",
+    "STREAM_TAPS_KEY",
+    "STREAM_TAP_WORKERS",
     "WORKER_EXTENSION",
     "CaptureSpec",
     "ModelInfo",
@@ -61,6 +64,17 @@ FAST_EXIT_ENV = "GUARDRAIL_FAST_EXIT"
 processes (``guardrail.worker.lifecycle``)."""
 STOP_PROCESSOR = "guardrail.worker.stop:ProbeStopLogitsProcessor"
 """``LLM(logits_processors=[...])``: ends probe-stopped requests right after prefill."""
+STREAM_OP = "guardrail::read_stream"
+"""The custom op a tapped decoder layer calls with its output (``guardrail.worker.stream_op``)."""
+STREAM_TAPS_KEY = "guardrail_stream_taps"
+"""``LLM(additional_config={STREAM_TAPS_KEY: [layers]})``: the decoder layers whose residual
+stream a compiled engine's worker taps at model load (``guardrail.worker.taps``). vLLM hashes
+``additional_config`` into its compile-cache key, so a graph with taps never serves an engine
+without them, or with others."""
+STREAM_TAP_WORKERS = {"cpu": "guardrail.worker.taps.GuardrailCPUWorker"}
+"""``LLM(worker_cls=...)`` by device type: the vLLM worker that installs the stream taps before
+vLLM compiles the model. A device type without one (CUDA: docs/compiled-hidden.md) reads the
+hidden state in eager mode only."""
 
 # -- SamplingParams.extra_args keys ---------------------------------------------------------------
 PROBE_ARG = "guardrail_probe"

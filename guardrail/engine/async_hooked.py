@@ -58,6 +58,7 @@ from guardrail.engine.install import (
     check_sizes_from_files,
     engine_arguments,
     engine_probe_config,
+    stream_tap_arguments,
 )
 from guardrail.engine.types import (
     STOP_IS,
@@ -213,7 +214,9 @@ class AsyncHookedLLM(HookedBase):
         check_sizes_from_files(str(model), config)
         from vllm import AsyncEngineArgs, AsyncLLMEngine
 
-        args = AsyncEngineArgs(model=str(model), **EngineHandle.start_arguments(arguments))
+        start = EngineHandle.start_arguments(arguments)
+        raw_layers = [*probe_hidden_layers, *probe_data_mean_layers]
+        args = AsyncEngineArgs(model=str(model), **stream_tap_arguments(start, config, raw_layers))
         with EngineHandle.spawning():
             engine = AsyncLLMEngine.from_engine_args(args)
         self = cls(engine, str(model), config)

@@ -35,6 +35,7 @@ from guardrail.engine.install import (
     check_sizes_from_files,
     engine_arguments,
     engine_probe_config,
+    stream_tap_arguments,
 )
 from guardrail.engine.steering import ResolvedSteering, SteeringClient
 from guardrail.engine.types import (
@@ -75,7 +76,8 @@ class HookedLLM(HookedBase):
     the model; ``probe_heads`` overrides which heads are scored ("all" scores every head of
     every layer, for calibration); ``probe_hidden_layers`` names decoder layers whose whole
     residual stream at the last prompt token each result carries (``ProbeResult.hidden_states``,
-    for calibration; needs ``enforce_eager=True``, like a config with a hidden-state part), and
+    for calibration; like a config with a hidden-state part, it needs ``enforce_eager=True``
+    except on a CPU, where compiled engines read it too: docs/compiled-hidden.md), and
     ``probe_data_mean_layers`` those whose stream averaged over the data tokens it carries
     (``ProbeResult.data_mean_states``; costs ``hidden_size`` float32 per KV slot per layer).
     Other keyword arguments go to ``vllm.LLM`` unchanged.
@@ -117,7 +119,9 @@ class HookedLLM(HookedBase):
         self._handle = EngineHandle()
         self._finalizer = weakref.finalize(self, self._handle.close, FINALIZE_LOCK_WAIT_S)
         with EngineHandle.spawning():
-            llm = LLM(model=self.model, **EngineHandle.start_arguments(arguments))
+            start = EngineHandle.start_arguments(arguments)
+            raw_layers = [*probe_hidden_layers, *probe_data_mean_layers]
+            llm = LLM(model=self.model, **stream_tap_arguments(start, self.config, raw_layers))
         self._handle.llm = llm
         try:  # from here on, any failure or Ctrl-C closes the engine before propagating
             self._handle.watch()

@@ -22,7 +22,14 @@ from guardrail.engine.types import GuardedOutput
 from guardrail.errors import ConfigError, EngineNotGuardableError
 from guardrail.probe.config import ModelProbeConfig, resolve_config
 from guardrail.probe.scoring import HeadKey
-from guardrail.protocol import STOP_PROCESSOR, WORKER_EXTENSION, ModelInfo
+from guardrail.protocol import (
+    STOP_PROCESSOR,
+    STREAM_OP,
+    STREAM_TAP_WORKERS,
+    STREAM_TAPS_KEY,
+    WORKER_EXTENSION,
+    ModelInfo,
+)
 
 LOG = logging.getLogger("guardrail")
 
@@ -35,6 +42,8 @@ __all__ = [
     "engine_arguments",
     "engine_probe_config",
     "heads_to_score",
+    "stream_tap_arguments",
+    "with_stream_splitting_op",
 ]
 
 
@@ -84,14 +93,78 @@ def engine_probe_config(
     """The probe config for an engine started with ``engine_kwargs``: ``resolve_config``, told
     whether the engine will run eager (``enforce_eager=True`` given, or the CPU default of
     ``EngineHandle.start_arguments``); with no config given, an eager engine of the embedded
-    SmolLM2 reads the ``combined`` variant, a compiled one the attention-only default.
+    SmolLM2 reads the ``combined`` variant, and so does a compiled one on a device whose
+    compiled engines read the hidden state (``STREAM_TAP_WORKERS``: the CPU); a compiled
+    engine elsewhere reads the attention-only default.
     ``announce``: log a config that was never calibrated (the engines do, once at start-up;
     a guard's every verdict says it too)."""
     eager = EngineHandle.start_arguments(engine_kwargs).get("enforce_eager") is True
-    config = resolve_config(model, probe_config, eager=eager)
+    reads_hidden = eager or _device_type() in STREAM_TAP_WORKERS
+    config = resolve_config(model, probe_config, reads_hidden=reads_hidden)
     if announce and config.uncalibrated is not None:
         LOG.warning("guardrail: %s", config.uncalibrated)
     return config
+
+
+def _device_type() -> str:
+    """The device type vLLM runs on here ("cpu", "cuda", ...)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def stream_tap_arguments(
+    arguments: dict[str, Any], config: ModelProbeConfig, raw_layers: Sequence[int] = ()
+) -> dict[str, Any]:
+    """``arguments`` (the engine's start arguments, defaults filled in) plus, for a compiled
+    engine that reads decoder layers (``config.hidden`` and ``raw_layers``, calibration's), on
+    a device with a tapping worker (``STREAM_TAP_WORKERS``), that worker and the layers it taps
+    at model load (``additional_config``, which vLLM hashes into its compile-cache key;
+    docs/compiled-hidden.md). Any other engine's arguments come back unchanged: an eager
+    engine reads through forward hooks, and a compiled one on another device refuses a hidden
+    config at install, as it did before.
+
+    Example:
+        >>> config = ModelProbeConfig(model_id="m", heads=[(0, 1)])
+        >>> stream_tap_arguments({"enforce_eager": False}, config)
+        {'enforce_eager': False}
+    """
+    layers = sorted(set(config.hidden_layers) | {int(layer) for layer in raw_layers})
+    if not layers or arguments.get("enforce_eager") is True:
+        return arguments
+    worker = STREAM_TAP_WORKERS.get(_device_type())
+    if worker is None:
+        return arguments
+    if arguments.get("worker_cls", "auto") not in ("auto", worker):
+        raise ConfigError(
+            f"worker_cls is set by the guardrail for a compiled engine that reads the hidden "
+            f"state ({worker}: it taps the decoder layers before vLLM compiles them); remove "
+            "it from the engine arguments, or start with enforce_eager=True"
+        )
+    extra = dict(arguments.get("additional_config") or {})
+    extra[STREAM_TAPS_KEY] = layers
+    return {**arguments, "worker_cls": worker, "additional_config": extra}
+
+
+def with_stream_splitting_op(
+    compilation_config: dict[str, Any] | None, default_ops: Sequence[str]
+) -> dict[str, Any]:
+    """A compilation config whose graphs are also split at the stream op, for a device that
+    replays pieces as CUDA graphs (where no Python runs, so a captured op would never call its
+    reader): the given splitting ops, or vLLM's ``default_ops`` (its attention ops) when none
+    are given, plus ``STREAM_OP``. Not used yet: compiled GPU engines do not read the hidden
+    state (docs/compiled-hidden.md says what else they need).
+
+    Example:
+        >>> config = with_stream_splitting_op({"mode": 3}, ["vllm::unified_attention_with_output"])
+        >>> config["mode"], config["splitting_ops"]
+        (3, ['vllm::unified_attention_with_output', 'guardrail::read_stream'])
+    """
+    config = dict(compilation_config or {})
+    ops = list(config.get("splitting_ops") or default_ops)
+    if STREAM_OP not in ops:
+        ops.append(STREAM_OP)
+    return {**config, "splitting_ops": ops}
 
 
 def check_sizes_from_files(model: str, config: ModelProbeConfig) -> None:

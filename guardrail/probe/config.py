@@ -531,19 +531,25 @@ def load_model_config(model: str, variant: str | None = None) -> ModelProbeConfi
 
 
 EAGER_DEFAULT_VARIANT = "combined"
-"""The shipped variant an engine in eager mode uses when no probe config is given, for models
-that ship one (the embedded SmolLM2 does): attention plus hidden-state read-outs, the better
-detector on every transfer measure of docs/detection.md, and its hidden read-outs need eager
-mode. An engine in compiled mode uses the model's default config (attention only)."""
+"""The shipped variant an engine that can read the hidden state uses when no probe config is
+given, for models that ship one (the embedded SmolLM2 does): attention plus hidden-state
+read-outs, the better detector on every transfer measure of docs/detection.md. Engines in eager
+mode read it, and so do compiled CPU engines (their decoder layers are tapped before vLLM
+compiles them: docs/compiled-hidden.md); a compiled GPU engine uses the model's default config
+(attention only)."""
 
 
 def resolve_config(
-    model: str, probe_config: ModelProbeConfig | str | Path | None, *, eager: bool = False
+    model: str,
+    probe_config: ModelProbeConfig | str | Path | None,
+    *,
+    reads_hidden: bool = False,
 ) -> ModelProbeConfig:
     """The probe config to use: the object given, the file given, the shipped variant named
     (a name without a path separator or ``.json``, e.g. ``"combined"``), or, with nothing
     given, the shipped default for ``model``: its ``EAGER_DEFAULT_VARIANT`` when the engine
-    runs eager (``eager``) and the model ships that variant, else its default config.
+    can read the hidden state (``reads_hidden``: eager, or compiled on the CPU) and the model
+    ships that variant, else its default config.
 
     Example:
         >>> resolve_config("any", ModelProbeConfig(model_id="m", heads=[(0, 1)])).model_id
@@ -555,7 +561,7 @@ def resolve_config(
         return load_model_config(model, probe_config)
     if probe_config is not None:
         return read_model_config(probe_config)
-    if eager and EAGER_DEFAULT_VARIANT in shipped_variants(model):
+    if reads_hidden and EAGER_DEFAULT_VARIANT in shipped_variants(model):
         return load_model_config(model, EAGER_DEFAULT_VARIANT)
     return load_model_config(model)
 

@@ -30,9 +30,13 @@ only) the data tokens' mean. The hooks share the attention probe's
 plan and rows (``guardrail.worker.probe.Probe``), so both signals come from the same pass and
 the same rows, and the step's results are stored once.
 
-Python forward hooks run only in eager mode: a config with a hidden part needs
-``enforce_eager=True`` (refused at install otherwise). With tensor parallelism the stream between
-layers is the same on every rank; with pipeline parallelism each stage reads the layers it holds.
+Python forward hooks added after start run only in eager mode. In compiled mode a layer is read
+through its stream tap, a hook vLLM's worker put on it at model load, before compiling, which
+calls the ``guardrail::read_stream`` op (``guardrail.worker.taps``,
+``guardrail.worker.stream_op``): the same reader as the eager hook, called with the same
+tensors. A compiled engine whose layers are not tapped (a GPU engine: docs/compiled-hidden.md)
+refuses a config with a hidden part. With tensor parallelism the stream between layers is the
+same on every rank; with pipeline parallelism each stage reads the layers it holds.
 """
 
 from __future__ import annotations
@@ -47,8 +51,9 @@ from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
 from guardrail.protocol import ProbeErrorReason
 from guardrail.worker.forward import decoder_layers, step_metadata
 from guardrail.worker.rows import StepRows
+from guardrail.worker.stream_op import READERS, tapped_layers
 
-__all__ = ["HiddenReader", "Readout", "install_hidden", "make_hidden_hook"]
+__all__ = ["HiddenReader", "Readout", "install_hidden", "make_hidden_hook", "make_hidden_read"]
 
 
 @dataclass
@@ -143,18 +148,20 @@ class HiddenReader:
             rows.mean_streams[self.index] = streams.sum(1) / denominator[:, None]
 
 
-def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
-    """The forward hook of one decoder layer read by the probe; never raises into the engine."""
+def make_hidden_read(probe: Any, reader: HiddenReader, runner: Any) -> Any:
+    """The reader of one decoder layer read by the probe: called with the layer's output
+    ``(hidden, residual)`` in every step, by the eager forward hook (``make_hidden_hook``) or
+    by the compiled graph's ``guardrail::read_stream`` op (``guardrail.worker.stream_op``);
+    never raises into the engine."""
     from vllm.forward_context import get_forward_context
 
-    def hook(module: Any, args: Any, output: Any) -> None:
+    def read(hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         started = time.perf_counter()
         try:
             context = get_forward_context()
             metadata = step_metadata(context)
             if metadata is None:  # warm-up, profiling
                 return
-            hidden, residual = output if isinstance(output, tuple) else (output, None)
             if reader.remembers:  # every step: the memo mirrors the KV cache
                 reader.remember(hidden, residual, metadata.slot_mapping)
             if probe.plan(runner, context, metadata):
@@ -166,7 +173,28 @@ def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
         if probe.rows and probe.finish_on_hidden and reader.index == probe.last_layer:
             probe.finish_step()
 
+    return read
+
+
+def make_hidden_hook(probe: Any, reader: HiddenReader, runner: Any) -> Any:
+    """The eager forward hook of one decoder layer read by the probe (``make_hidden_read``)."""
+    read = make_hidden_read(probe, reader, runner)
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        hidden, residual = output if isinstance(output, tuple) else (output, None)
+        read(hidden, residual)
+
     return hook
+
+
+def _connect(probe: Any, reader: HiddenReader, runner: Any, layer: Any, tapped: bool) -> Any:
+    """Have ``reader`` read ``layer``'s output: through the layer's stream tap when it has one
+    (installed at model load: ``guardrail.worker.taps``), else through a forward hook. Returns
+    the handle that undoes it."""
+    if tapped:
+        engine = runner.vllm_config.compilation_config.static_forward_context
+        return READERS.connect(engine, reader.index, make_hidden_read(probe, reader, runner))
+    return layer.register_forward_hook(make_hidden_hook(probe, reader, runner))
 
 
 def _kv_slots(runner: Any, info: dict[str, Any]) -> int:
@@ -192,18 +220,13 @@ def install_hidden(
     """Hook the decoder layers of ``config.hidden``, ``raw_layers`` (the last token's whole
     stream returned) and ``raw_mean_layers`` (the data tokens' mean stream returned) for
     ``probe`` (a ``guardrail.worker.probe.Probe``); its step then finishes after the last of its
-    attention layers and these."""
+    attention layers and these. A layer tapped at model load is read through its tap
+    (compiled engines), any other through a forward hook (eager engines)."""
     raw_mean_layers = raw_mean_layers or []
     parts = (config.hidden if config is not None else None) or []
     wanted = sorted({p.layer for p in parts} | set(raw_layers) | set(raw_mean_layers))
     if not wanted:
         return
-    if not info["enforce_eager"]:
-        raise ValueError(
-            "the hidden-state signal needs an engine started with enforce_eager=True: in "
-            "compiled mode the decoder layers run inside a captured graph where its hooks "
-            "never fire (or use an attention-only config)"
-        )
     layers = decoder_layers(runner)
     if layers is None:
         raise ValueError(
@@ -213,6 +236,10 @@ def install_hidden(
     for index in wanted:
         if not 0 <= index < len(layers):
             raise ValueError(f"hidden layer {index} outside the model's {len(layers)} layers")
+    # With pipeline parallelism a stage holds some layers only (the others are placeholders).
+    held = [i for i in wanted if type(layers[i]).__name__ != "PPMissingLayer"]
+    tapped = tapped_layers(layers)
+    _check_compiled(info, held, tapped)
     for part in parts:
         if max(part.dims) >= info["hidden_size"]:
             raise ValueError(
@@ -228,8 +255,6 @@ def install_hidden(
     slots = _kv_slots(runner, info) if needs_memo else 0
     device = runner.device
     _check_raw_memo_fits(len(raw_mean_layers), slots, info, device, runner)
-    # With pipeline parallelism a stage holds some layers only (the others are placeholders).
-    held = [i for i in wanted if type(layers[i]).__name__ != "PPMissingLayer"]
     for index in held:
         reader = HiddenReader(index, raw_last=index in raw_layers)
         for part in parts:
@@ -241,11 +266,33 @@ def install_hidden(
         if index in raw_mean_layers:
             size = (slots + 1, info["hidden_size"])
             reader.raw_memo = torch.full(size, float("nan"), device=device)
-        reader.handle = layers[index].register_forward_hook(make_hidden_hook(probe, reader, runner))
+        reader.handle = _connect(probe, reader, runner, layers[index], index in tapped)
         probe.hidden[index] = reader
     probe.needs_data_slots = any(r.remembers for r in probe.hidden.values())
     if probe.hidden and max(probe.hidden) >= probe.last_layer:
         probe.last_layer, probe.finish_on_hidden = max(probe.hidden), True
+
+
+def _check_compiled(info: dict[str, Any], wanted: list[int], tapped: set[int]) -> None:
+    """In compiled mode a layer can only be read through a tap installed before compilation:
+    refuse, naming what would work, when one is missing."""
+    missing = sorted(set(wanted) - tapped)
+    if info["enforce_eager"] or not missing:
+        return
+    where = (
+        "a compiled CPU engine reads only the layers its worker tapped at model load "
+        "(HookedLLM and AsyncHookedLLM have vLLM tap those of their config and calibration "
+        "layers)"
+        if str(info["device"]).startswith("cpu")
+        else f"compiled engines on {info['device']} cannot tap decoder layers yet "
+        "(docs/compiled-hidden.md)"
+    )
+    raise ValueError(
+        f"the hidden-state signal reads decoder layers {missing}, which are not tapped: in "
+        "compiled mode the decoder layers run inside a compiled graph where hooks added after "
+        f"start never fire, and {where}. Start the engine with enforce_eager=True, or use an "
+        "attention-only config"
+    )
 
 
 MEMO_SHARE = 0.8

@@ -355,7 +355,14 @@ class Probe:
         flags = rows.flags
         if self.settings.tp_size > 1:
             stats, flags = self._combine_ranks(stats, flags)
-        terms = [rows.terms[layer] for layer in self.term_layers if layer in rows.terms]
+        # a layer whose read-out did not run in this step (no hook or tap fired) gives NaN: the
+        # row fails (NONFINITE), never scored without the term
+        terms = [
+            rows.terms[layer]
+            if layer in rows.terms
+            else torch.full((rows.scored,), float("nan"), dtype=torch.float32, device=stats.device)
+            for layer in self.term_layers
+        ]
         term_table = torch.stack(terms, dim=1) if terms else stats.new_zeros(rows.scored, 0)
         if terms:
             flags[:, NONFINITE] |= ~torch.isfinite(term_table).all(1)

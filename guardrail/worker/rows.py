@@ -39,8 +39,9 @@ FLAG_MESSAGES = (
     "key the layer computed",
     "plan: KV slot layout check failed: the last prompt token's slot from the block table "
     "differs from the slot vLLM wrote it to",
-    "hidden: a logit term is not finite (a data token's stream was never computed in this "
-    "process: KV loaded without a forward pass?)",
+    "hidden: a logit term is missing or not finite (a read decoder layer's hook or tap did not "
+    "run in this step, or a data token's stream was never computed in this process: KV loaded "
+    "without a forward pass?)",
     "probe: another tensor-parallel rank failed to score",
 )
 """What each column of ``StepRows.flags`` means, as the row's error."""

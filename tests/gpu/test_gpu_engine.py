@@ -221,3 +221,13 @@ def test_calibration_memo_too_large_is_refused_with_the_fix(fp16_llama_dir):
             gpu_memory_utilization=0.85,
         )
     assert "data-mean read-outs of 4 layers" in str(refused.value)
+
+
+def test_a_compiled_engine_refuses_a_hidden_config_naming_eager_mode(fp16_llama_dir):
+    """Compiled GPU engines do not tap decoder layers (docs/compiled-hidden.md): a config with
+    a hidden part is refused at start, saying what to do, never run without its terms."""
+    from guardrail.errors import GuardrailError
+
+    with pytest.raises(GuardrailError, match=r"on cuda:0 cannot tap decoder layers yet") as refused:
+        _engine(fp16_llama_dir, eager=False, config=tiny_hidden_config(SHAPE["hidden_size"]))
+    assert "enforce_eager=True" in str(refused.value)

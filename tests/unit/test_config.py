@@ -69,12 +69,13 @@ def test_a_shipped_variant_is_chosen_by_name_or_as_the_eager_default(tmp_path, m
     assert reads == [(15, "last"), (18, "last"), (15, "data_mean")]
     assert combined.probe == "logistic" and combined.threshold is not None
     assert packaged_model_configs()[smol] == default  # the variant never replaces the file
-    # an eager engine of a model that ships the variant reads it; other models their default
-    assert resolve_config(smol, None, eager=True) == combined
-    assert resolve_config("/models/SmolLM2-135M-Instruct-f32", None, eager=True) == combined
+    # an engine that reads the hidden state (eager, or compiled on the CPU) of a model that
+    # ships the variant reads it; other models their default
+    assert resolve_config(smol, None, reads_hidden=True) == combined
+    assert resolve_config("/models/SmolLM2-135M-Instruct-f32", None, reads_hidden=True) == combined
     qwen = "Qwen/Qwen2-1.5B-Instruct"
-    assert resolve_config(qwen, None, eager=True) == resolve_config(qwen, None)
-    assert resolve_config(smol, "combined", eager=False) == combined  # named: always
+    assert resolve_config(qwen, None, reads_hidden=True) == resolve_config(qwen, None)
+    assert resolve_config(smol, "combined", reads_hidden=False) == combined  # named: always
     with pytest.raises(ModelConfigNotFoundError, match=r"variant 'combined'.*its variants: none"):
         resolve_config("Qwen/Qwen2-1.5B-Instruct", "combined")
     with pytest.raises(ModelConfigNotFoundError, match=r"its variants: \['combined'\]"):
@@ -470,16 +471,19 @@ def test_a_layer_read_at_both_positions_adds_one_term_per_layer():
 
 def test_the_engine_arguments_decide_the_default_config():
     """``engine_probe_config``: what the engine will run decides the default, through the same
-    start arguments the engine gets (on the CPU, eager unless a compile argument is given)."""
+    start arguments the engine gets (on the CPU, eager unless a compile argument is given): an
+    engine that reads the hidden state (eager, or compiled on the CPU, whose decoder layers
+    are tapped) the combined variant, a compiled GPU engine the attention-only default."""
     from vllm.platforms import current_platform
 
     from guardrail.engine.install import engine_probe_config
 
     smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
     combined, default = load_model_config(smol, "combined"), load_model_config(smol)
+    compiled = combined if current_platform.is_cpu() else default
     assert engine_probe_config(smol, None, {"enforce_eager": True}) == combined
-    assert engine_probe_config(smol, None, {"enforce_eager": False}) == default
-    assert engine_probe_config(smol, None, {"compilation_config": {"mode": 3}}) == default
+    assert engine_probe_config(smol, None, {"enforce_eager": False}) == compiled
+    assert engine_probe_config(smol, None, {"compilation_config": {"mode": 3}}) == compiled
     assert engine_probe_config(smol, None, {}) == (
         combined if current_platform.is_cpu() else default
     )

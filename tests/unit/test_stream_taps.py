@@ -1,0 +1,229 @@
+"""The stream taps of compiled engines, without an engine: the reader registry, the
+``guardrail::read_stream`` op (eager and traced by torch.compile), tapping a model's decoder
+layers at load, the worker's refusal of untapped layers, the engine arguments that ask for the
+taps, and a missing hidden term failing its row."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm.forward_context import override_forward_context
+
+from guardrail.engine import install
+from guardrail.errors import ConfigError
+from guardrail.probe.config import ModelProbeConfig
+from guardrail.protocol import STREAM_OP, STREAM_TAP_WORKERS, STREAM_TAPS_KEY, ProbeErrorReason
+from guardrail.worker.hidden import _check_compiled
+from guardrail.worker.probe import Probe, ProbeSettings
+from guardrail.worker.rows import FLAG_MESSAGES, NONFINITE, StepRows
+from guardrail.worker.stream_op import READERS, StreamReaders, make_tap, tapped_layers
+from tests.helpers import tiny_hidden_config
+
+
+def step_of(engine: dict[str, Any]) -> Any:
+    """A forward context as the op sees it: the engine's ``static_forward_context``."""
+    return override_forward_context(SimpleNamespace(no_compile_layers=engine))  # type: ignore[arg-type]
+
+
+# -- the registry and the op ---------------------------------------------------------------------
+
+
+def test_readers_are_kept_per_engine_and_layer_and_removed_by_their_handle() -> None:
+    readers = StreamReaders()
+    a, b = {}, {}
+    first, second = (lambda h, r: None), (lambda h, r: None)
+    handle = readers.connect(a, 1, first)
+    readers.connect(b, 1, second)
+    assert readers.reader(a, 1) is first and readers.reader(b, 1) is second
+    assert readers.reader(a, 2) is None and readers.reader({}, 1) is None
+    handle.remove()
+    handle.remove()  # idempotent
+    assert readers.reader(a, 1) is None and readers.reader(b, 1) is second
+    assert len(readers) == 1
+
+
+def test_the_op_calls_the_reader_of_the_running_engine_only() -> None:
+    mine, other = {}, {}
+    seen: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
+    handles = [
+        READERS.connect(mine, 3, lambda h, r: seen.append(("mine", h, r))),
+        READERS.connect(other, 3, lambda h, r: seen.append(("other", h, r))),
+    ]
+    hidden, residual = torch.randn(5, 8), torch.randn(5, 8)
+    try:
+        torch.ops.guardrail.read_stream(hidden, residual, 3)  # no step running: nothing
+        assert seen == []
+        with step_of(mine):
+            torch.ops.guardrail.read_stream(hidden, residual, 3)
+            torch.ops.guardrail.read_stream(hidden, None, 2)  # no reader on layer 2
+        assert [(who, h is hidden, r is residual) for who, h, r in seen] == [("mine", True, True)]
+    finally:
+        for handle in handles:
+            handle.remove()
+    with step_of(mine):  # disconnected: nothing
+        torch.ops.guardrail.read_stream(hidden, residual, 3)
+    assert len(seen) == 1
+
+
+class Layer(torch.nn.Module):
+    """A decoder layer's shape of output: ``(hidden, residual)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.linear(x), residual + x
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        residual = torch.zeros_like(x)
+        for layer in self.layers:
+            x, residual = layer(x, residual)
+            x = torch.relu(x)
+        return x + residual
+
+
+def test_a_tap_traced_by_torch_compile_calls_the_reader_with_the_layers_output() -> None:
+    """The tap is on the layer before compilation: the compiled graph keeps the op (nothing uses
+    its result) and calls it with the same stream the eager model computes."""
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    model.layers[1].register_forward_hook(make_tap(1))
+    assert tapped_layers(model.layers) == {1}
+    eager_out: dict[str, torch.Tensor] = {}
+    model.layers[1].register_forward_hook(
+        lambda m, a, out: eager_out.update(stream=(out[0] + out[1]).detach().clone())
+    )
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    engine: dict[str, Any] = {}
+    got: list[torch.Tensor] = []
+    handle = READERS.connect(engine, 1, lambda h, r: got.append((h + r).clone()))
+    x = torch.randn(4, 8)
+    try:
+        with torch.no_grad():
+            compiled(x)  # compiles; no step: the op does nothing
+            assert got == []
+            with step_of(engine):
+                compiled(x)
+            model(x)  # eager, for the reference
+    finally:
+        handle.remove()
+    assert len(got) == 1
+    torch.testing.assert_close(got[0], eager_out["stream"], rtol=0, atol=0)
+
+
+def test_install_taps_taps_the_layers_in_additional_config() -> None:
+    taps = pytest.importorskip("guardrail.worker.taps")  # vLLM's CPU worker: the CPU build
+    install_taps, tap_layers = taps.install_taps, taps.tap_layers
+    model = Tiny()
+    runner = SimpleNamespace(
+        vllm_config=SimpleNamespace(additional_config={STREAM_TAPS_KEY: [2, 0, 2]}),
+        model=SimpleNamespace(model=model),
+    )
+    assert tap_layers(runner.vllm_config) == [0, 2]
+    assert install_taps(runner) == [0, 2]
+    assert tapped_layers(model.layers) == {0, 2}
+    runner.vllm_config.additional_config = {STREAM_TAPS_KEY: [5]}
+    with pytest.raises(ValueError, match=r"decoder layers \[5\]"):
+        install_taps(runner)
+    runner.vllm_config.additional_config = {}
+    assert install_taps(runner) == []
+    assert taps.GuardrailCPUWorker.__mro__[1].__name__ == "CPUWorker"
+
+
+# -- the worker's refusal, the engine's arguments --------------------------------------------
+
+
+def test_an_untapped_layer_is_refused_in_compiled_mode_with_what_to_do() -> None:
+    eager = {"enforce_eager": True, "device": "cpu"}
+    _check_compiled(eager, [1, 2], set())  # eager: forward hooks read it
+    _check_compiled({**eager, "enforce_eager": False}, [1, 2], {1, 2})
+    with pytest.raises(ValueError, match=r"\[2\], which are not tapped.*HookedLLM"):
+        _check_compiled({**eager, "enforce_eager": False}, [1, 2], {1})
+    gpu = {"enforce_eager": False, "device": "cuda:0"}
+    with pytest.raises(ValueError, match=r"on cuda:0 cannot tap.*enforce_eager=True"):
+        _check_compiled(gpu, [1], set())
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_stream_tap_arguments_ask_for_the_tapping_worker_only_where_it_exists(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(install, "_device_type", lambda: device)
+    hidden = tiny_hidden_config()
+    plain = ModelProbeConfig(model_id="m", heads=[(0, 1)])
+    compiled = {"enforce_eager": False, "additional_config": {"user": 1}}
+    got = install.stream_tap_arguments(compiled, hidden, [0])
+    if device == "cpu":
+        assert got["worker_cls"] == STREAM_TAP_WORKERS["cpu"]
+        assert got["additional_config"] == {"user": 1, STREAM_TAPS_KEY: [0, 1, 2, 3]}
+        assert compiled == {"enforce_eager": False, "additional_config": {"user": 1}}  # a copy
+        with pytest.raises(ConfigError, match="worker_cls"):
+            install.stream_tap_arguments({**compiled, "worker_cls": "my.Worker"}, hidden)
+    else:  # no tapping worker: the worker refuses the hidden config at install
+        assert got == compiled
+    assert install.stream_tap_arguments({"enforce_eager": True}, hidden) == {"enforce_eager": True}
+    assert install.stream_tap_arguments(compiled, plain) == compiled
+    assert install.stream_tap_arguments(compiled, plain, [1])["additional_config"] == (
+        {"user": 1, STREAM_TAPS_KEY: [1]} if device == "cpu" else {"user": 1}
+    )
+
+
+def test_the_splitting_op_is_added_to_vllms_list_or_the_users() -> None:
+    defaults = ["vllm::unified_attention_with_output", "vllm::mamba_mixer2"]
+    assert install.with_stream_splitting_op(None, defaults)["splitting_ops"] == [
+        *defaults,
+        STREAM_OP,
+    ]
+    mine = {"splitting_ops": ["a::b", STREAM_OP], "mode": 3}
+    assert install.with_stream_splitting_op(mine, defaults) == mine
+    assert defaults == ["vllm::unified_attention_with_output", "vllm::mamba_mixer2"]
+
+
+# -- a term that never came fails its row ----------------------------------------------------
+
+
+def finished(terms: dict[int, torch.Tensor]) -> dict[str, Any]:
+    """Two scored rows through the probe's end of step, with the given per-layer terms of a
+    config whose term layers are 1 and 2; the popped results by key."""
+    probe = Probe([(0, 0)], set(), ProbeSettings(block_size=32), None)
+    probe.term_layers = probe.store.term_layers = [1, 2]
+    n = 2
+    probe.rows = StepRows(
+        keys=["a", "b"],
+        num_prompt_tokens=[4, 5],
+        errors=[None] * n,
+        reasons=[None] * n,
+        stop_below=[None] * n,
+        stop_on_error=[True] * n,
+        stop_token=[None] * n,
+        has_data=[True] * n,
+        ok=[0, 1],
+        valid=torch.ones(n, 5, dtype=torch.bool),
+        instruction=torch.ones(n, 5, dtype=torch.bool),
+        data=torch.zeros(n, 5, dtype=torch.bool),
+        stats=torch.full((n, 1, 5), 0.25),
+        flags=torch.zeros(n, len(FLAG_MESSAGES), dtype=torch.bool),
+        terms=terms,
+    )
+    probe.finish_step()
+    return probe.pop(["a", "b"])
+
+
+def test_a_missing_hidden_term_fails_the_row_never_drops_the_term() -> None:
+    both = finished({1: torch.tensor([0.5, -1.0]), 2: torch.tensor([0.25, 2.0])})
+    assert both["b"]["hidden"] == [[1, -1.0], [2, 2.0]] and "error" not in both["b"]
+    one = finished({1: torch.tensor([0.5, -1.0])})  # layer 2's read-out never ran
+    for key in ("a", "b"):
+        assert one[key]["error"] == FLAG_MESSAGES[NONFINITE]
+        assert one[key]["reason"] == ProbeErrorReason.HIDDEN.value
+        assert "hidden" not in one[key] and "stats" not in one[key]

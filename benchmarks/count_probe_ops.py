@@ -1,0 +1,150 @@
+"""Operations the probe issues per engine step, by phase: a count that does not depend on the host.
+
+On a GPU the probe's cost in a step is mostly host time around small kernels, which a shared or
+slow host makes hard to time (docs/gpu.md: plain vLLM's own host time moves by 25 % between
+leases). The number of PyTorch operations each phase dispatches per step does not move: this
+script counts them (every aten operation, kernels and views alike, under a
+``TorchDispatchMode``) for the step plan, the per-layer scoring, the end of the step and the stop
+logits processor, next to their host milliseconds, on a CPU engine in this process.
+
+The model is a dummy-weight Llama with the 1B shape's attention layout (16 layers, 32 heads of
+32, 8 KV heads) and a small hidden size so the CPU runs it quickly, probed like the GPU
+benchmarks (``dummy_probe_config("1b")``: 128 heads on 16 layers, early stop armed). On CPU the
+probe takes its PyTorch path (no Triton); the plan, focus, stop decision and table copy are the
+same code as on a GPU.
+
+Usage:
+    python benchmarks/count_probe_ops.py --out benchmarks/results/probe_ops_<commit>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = {"plan": "plan", "score_layer": "score_layer", "finish_step": "finish_step"}
+
+
+def build_model(root: Path) -> Path:
+    """The dummy 1B attention layout with hidden size 1024 (32 heads of 32), float32."""
+    from guardrail.testing.dummy_models import build_dummy_model
+
+    path = build_dummy_model("1b", root)
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_size=1024, intermediate_size=1024, head_dim=32, torch_dtype="float32")
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/guardrail-ops"))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/probe_ops.json")
+    args = parser.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker runs in this process
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_gpu import requests_of
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    from guardrail.engine import HookedLLM
+    from guardrail.testing.dummy_models import dummy_probe_config
+    from guardrail.worker import probe as worker_probe
+    from guardrail.worker.stop import ProbeStopLogitsProcessor
+
+    ops: dict[str, int] = defaultdict(int)
+    seconds: dict[str, float] = defaultdict(float)
+
+    class Count(TorchDispatchMode):
+        def __init__(self, label: str) -> None:
+            super().__init__()
+            self.label = label
+
+        def __torch_dispatch__(self, func: Any, types: Any, a: Any = (), kw: Any = None) -> Any:
+            ops[self.label] += 1
+            return func(*a, **(kw or {}))
+
+    counting = {"on": False}
+
+    def wrap(owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                if counting["on"]:
+                    with Count(label):
+                        return original(*a, **kw)
+                return original(*a, **kw)
+            finally:
+                seconds[label] += time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
+
+    for name, label in PHASES.items():
+        wrap(worker_probe.Probe, name, label)
+    wrap(ProbeStopLogitsProcessor, "apply", "stop processor")
+    model = build_model(args.cache)
+    engine = HookedLLM(
+        str(model),
+        dummy_probe_config("1b"),
+        load_format="dummy",
+        dtype="float32",
+        max_model_len=4 * args.tokens + 256,
+        kv_cache_memory_bytes=1 << 30,
+        enforce_eager=True,
+        seed=0,
+    )
+    tokenizer = engine.llm.get_tokenizer()
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rows = []
+    try:
+        for batch in args.batches:
+            counted: dict[str, int] = {}
+            timed: dict[str, list[float]] = defaultdict(list)
+            for salt in tqdm(range(args.rounds + 2), desc=f"batch {batch}", leave=False):
+                requests = requests_of(args.tokens, batch, salt * 7919 + batch, tokenizer)
+                for count in (True, False):  # one round counted, one timed (counting is slow)
+                    ops.clear()
+                    seconds.clear()
+                    counting["on"] = count
+                    outs = engine.generate(requests, params, stop_below=-1.0)
+                    if any(o.probe is None or o.probe.focus is None for o in outs):
+                        raise SystemExit("a request was not scored: the counts would be wrong")
+                    if salt < 1:
+                        continue
+                    if count:
+                        counted = dict(ops)
+                    else:
+                        for label, spent in seconds.items():
+                            timed[label].append(spent * 1e3)
+            row = {
+                "batch": batch,
+                "prompt_tokens": args.tokens,
+                "ops_per_call": counted,
+                "host_ms_per_call": {k: round(statistics.median(v), 3) for k, v in timed.items()},
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        engine.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

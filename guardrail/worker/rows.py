@@ -278,14 +278,7 @@ def _device_tensors(
     at = -(-(mask_bytes + flag_bytes) // 8) * 8
     longs = 4 * k + (k * width + k if host_table is not None else 0)
     packed = np.zeros(at + 8 * longs, dtype=np.uint8)
-    masks = packed[:mask_bytes].view(np.bool_).reshape(3, k, width)
-    for r, i in enumerate(ok):
-        spec: ProbeSpec = found[i][2].sampling_params.extra_args[PROBE_ARG]
-        masks[0, r, : rows.num_prompt_tokens[i]] = True
-        for a, b in spec["instruction"]:
-            masks[1, r, a:b] = True
-        for a, b in spec["data"]:
-            masks[2, r, a:b] = True
+    _fill_masks(packed[:mask_bytes].view(np.bool_).reshape(3, k, width), rows, found)
     ints = packed[at:].view(np.int64)
     batch = np.array([rows.batch_index[i] for i in ok], dtype=np.int64)
     last = np.array([rows.num_prompt_tokens[i] - 1 for i in ok], dtype=np.int64)
@@ -311,14 +304,29 @@ def _device_tensors(
         rows.slots = ints_d[4 * k : 4 * k + k * width].view(k, width)
         rows.last_slots = ints_d[4 * k + k * width :]
     else:
-        table = metadata.block_table
-        blocks_d = table.index_select(0, batch_d)[:, :blocks_per_row]
-        positions = torch.arange(width, device=table.device)
-        rows.slots = (
-            blocks_d.long()[:, positions // block_size] * block_size + positions % block_size
-        )
+        rows.slots = _device_slots(metadata.block_table, batch_d, width, block_size)
         rows.last_slots = rows.slots.gather(1, last_d[:, None])[:, 0]
     rows.head_slots = rows.slots[:, None, :]
+
+
+def _fill_masks(masks: np.ndarray, rows: StepRows, found: list[tuple[int, int, Any]]) -> None:
+    """``masks`` [3, K, T] (zeros): each scored row's prompt, instruction and data positions."""
+    for r, i in enumerate(rows.ok):
+        spec: ProbeSpec = found[i][2].sampling_params.extra_args[PROBE_ARG]
+        masks[0, r, : rows.num_prompt_tokens[i]] = True
+        for a, b in spec["instruction"]:
+            masks[1, r, a:b] = True
+        for a, b in spec["data"]:
+            masks[2, r, a:b] = True
+
+
+def _device_slots(
+    table: torch.Tensor, batch: torch.Tensor, width: int, block_size: int
+) -> torch.Tensor:
+    """[K, width] KV slot of every position of the rows ``batch`` of the device block table."""
+    blocks = table.index_select(0, batch)[:, : (width + block_size - 1) // block_size]
+    positions = torch.arange(width, device=table.device)
+    return blocks.long()[:, positions // block_size] * block_size + positions % block_size
 
 
 def check_slots(rows: StepRows, slot_mapping: torch.Tensor) -> None:

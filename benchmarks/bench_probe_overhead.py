@@ -106,6 +106,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": "float32",
         "max_model_len": max(args.lengths) + args.max_tokens + 64,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        # four engines live at once: vLLM's CPU default (4 GiB each) no longer fits in 24 GiB
+        "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30),
         "seed": 0,
     }
     engines = start_engines(model, args.engines, engine_args, args.probe_config)
@@ -260,6 +262,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=2.0, help="KV cache of each of the four engines"
+    )
     parser.add_argument(
         "--engines",
         nargs="+",

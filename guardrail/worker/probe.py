@@ -413,9 +413,6 @@ class Probe:
         ]
         if not wanted:
             return
-        if focus is not None and flags is not None and len(wanted) == len(rows) == rows.scored:
-            self.stops = self._stops_of_every_row(rows, focus, flags)
-            return
         host_stop = [
             rows.stop_on_error[i] if rows.errors[i] is not None or focus is None else False
             for i in wanted
@@ -454,19 +451,6 @@ class Probe:
             values[2 * n : 3 * n].long(),
             stop,
         )
-
-    def _stops_of_every_row(self, rows: StepRows, focus: Any, flags: torch.Tensor) -> Stops:
-        """``_decide_stops`` where every row of the step wants a stop and was scored (the table's
-        rows are the step's, in order): one copy of the host values, a few kernels."""
-        n = len(rows)
-        packed = np.empty((4, n), dtype=np.float64)  # exact for every index and token id
-        packed[0] = rows.batch_index
-        packed[1] = rows.stop_token
-        packed[2] = rows.stop_below
-        packed[3] = rows.stop_on_error
-        batch_index, tokens, below, on_error = self.staging.to_device(packed).unbind(0)
-        stop = torch.where(flags.any(1), on_error.bool(), focus <= below)
-        return Stops(list(rows.batch_index), batch_index.long(), tokens.long(), stop)
 
 
 def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:

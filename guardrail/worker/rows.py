@@ -152,7 +152,7 @@ def plan_rows(
     host_table: np.ndarray | None = None,
 ) -> StepRows:
     """The step's rows from ``found`` = [(batch index, token row of the last prompt token,
-    vLLM's request state)], with their device tensors built in a handful of copies. A request
+    vLLM's request state)], with their device tensors built from one copy. A request
     whose key is in ``faults`` fails with ``fault_message`` as a hooked layer would (``LAYER``)."""
     rows = StepRows()
     for batch_index, _, state in found:
@@ -216,8 +216,6 @@ class HostStaging:
         if event is None:  # one per slot, recorded again at each use
             event = self._events[slot] = torch.cuda.Event()
         event.record()
-        if values.dtype == np.uint8:
-            return out.view(values.shape)
         dtype = torch.from_numpy(np.empty(0, dtype=values.dtype)).dtype
         return out.view(dtype).view(values.shape)
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.engine.test_hidden_state import hf_streams
+from tests.engine.test_hidden_state import cached_and_chunked_passes, expected_terms, hf_streams
 from tests.helpers import hf_head_stats, mixed_batch, start_engine, tiny_hidden_config
 
 pytestmark = pytest.mark.slow
@@ -73,11 +73,7 @@ def check_against_hf(engine: Any, model_dir: Path, outputs: list[Any]) -> None:
             if mean:
                 got = probe.data_mean_states[layer]
                 assert _deviation("data-mean stream", got, mean[layer]) <= STREAM_TOLERANCE
-        want: dict[int, float] = {}
-        for part in config.hidden:
-            stream = last[part.layer] if part.position == "last" else mean.get(part.layer)
-            term = part.project(stream) if stream is not None else 0.0  # no data: no term
-            want[part.layer] = want.get(part.layer, 0.0) + term
+        want = expected_terms(config, last, mean)
         assert sorted(probe.hidden) == sorted(want)
         for layer, term in want.items():
             assert _deviation(f"term layer {layer}", probe.hidden[layer], term) <= TERM_TOLERANCE
@@ -97,18 +93,7 @@ def test_the_engine_is_compiled_and_reads_hidden_layers(compiled: Any) -> None:
 def test_compiled_hidden_terms_equal_hf_with_chunked_prefill_and_prefix_cache(
     compiled: Any, tiny_llama_dir: Path
 ) -> None:
-    assert {p.position for p in compiled.config.hidden} == {"last", "data_mean"}
-    batch = mixed_batch()
-    assert len(batch) >= 16
-    first = compiled.generate(batch, compiled.sampling(max_tokens=2))
-    second = compiled.generate(batch, compiled.sampling(max_tokens=2))
-    assert sum(o.num_cached_tokens for o in second) > 0  # prefix cache in use
-    assert max(len(o.prompt.token_ids) for o in first) > 128  # chunked prefill in use
-    # the second pass served data tokens from the cache: the memo had to supply them
-    assert any(
-        o.num_cached_tokens > o.prompt.data_spans[0][0] for o in second if o.prompt.data_spans
-    )
-    check_against_hf(compiled, tiny_llama_dir, first + second)
+    check_against_hf(compiled, tiny_llama_dir, cached_and_chunked_passes(compiled))
 
 
 def test_compiled_early_stop_uses_the_hidden_terms(compiled: Any) -> None:

@@ -62,6 +62,36 @@ def hf_streams(
     return last, mean
 
 
+def expected_terms(
+    config: ModelProbeConfig, last: dict[int, np.ndarray], mean: dict[int, np.ndarray]
+) -> dict[int, float]:
+    """The config's hidden logit term per layer, from Hugging Face's streams (no data: 0)."""
+    want: dict[int, float] = {}
+    for part in config.hidden or []:
+        stream = last[part.layer] if part.position == "last" else mean.get(part.layer)
+        term = part.project(stream) if stream is not None else 0.0  # no data: no term
+        want[part.layer] = want.get(part.layer, 0.0) + term
+    return want
+
+
+def cached_and_chunked_passes(engine: Any) -> list[Any]:
+    """The mixed batch twice: the first pass prefills in chunks, the second finds the prompts,
+    data tokens included, in the prefix cache (so the memo supplies their streams); both
+    passes' outputs."""
+    assert {p.position for p in engine.config.hidden} == {"last", "data_mean"}
+    batch = mixed_batch()
+    assert len(batch) >= 16
+    first = engine.generate(batch, engine.sampling(max_tokens=2))
+    second = engine.generate(batch, engine.sampling(max_tokens=2))
+    assert sum(o.num_cached_tokens for o in second) > 0  # prefix cache in use
+    assert max(len(o.prompt.token_ids) for o in first) > 128  # chunked prefill in use
+    # the second pass served data tokens from the cache: the memo had to supply them
+    assert any(
+        o.num_cached_tokens > o.prompt.data_spans[0][0] for o in second if o.prompt.data_spans
+    )
+    return first + second
+
+
 def check_against_hf(engine: Any, model_dir: Path, outputs: list[Any]) -> None:
     config = engine.config
     for out in outputs:
@@ -78,11 +108,7 @@ def check_against_hf(engine: Any, model_dir: Path, outputs: list[Any]) -> None:
             if mean:
                 got = np.asarray(probe.data_mean_states[layer])
                 np.testing.assert_allclose(got, mean[layer], atol=5e-5, rtol=1e-5)
-        want_terms: dict[int, float] = {}
-        for part in config.hidden:
-            stream = last[part.layer] if part.position == "last" else mean.get(part.layer)
-            term = part.project(stream) if stream is not None else 0.0  # no data: no term
-            want_terms[part.layer] = want_terms.get(part.layer, 0.0) + term
+        want_terms = expected_terms(config, last, mean)
         assert probe.hidden == pytest.approx(want_terms, abs=5e-5)
         stats = hf_head_stats(
             str(model_dir), p.token_ids, p.instruction_spans, p.data_spans, config.heads
@@ -93,18 +119,7 @@ def check_against_hf(engine: Any, model_dir: Path, outputs: list[Any]) -> None:
 def test_hidden_streams_and_terms_equal_hf_with_chunked_prefill_and_prefix_cache(
     engine: Any, tiny_llama_dir: Path
 ) -> None:
-    assert {p.position for p in engine.config.hidden} == {"last", "data_mean"}
-    batch = mixed_batch()
-    assert len(batch) >= 16
-    first = engine.generate(batch, engine.sampling(max_tokens=2))
-    second = engine.generate(batch, engine.sampling(max_tokens=2))
-    assert sum(o.num_cached_tokens for o in second) > 0  # prefix cache in use
-    assert max(len(o.prompt.token_ids) for o in first) > 128  # chunked prefill in use
-    # the second pass served data tokens from the cache: the memo had to supply them
-    assert any(
-        o.num_cached_tokens > o.prompt.data_spans[0][0] for o in second if o.prompt.data_spans
-    )
-    check_against_hf(engine, tiny_llama_dir, first + second)
+    check_against_hf(engine, tiny_llama_dir, cached_and_chunked_passes(engine))
 
 
 def test_data_mean_reads_a_shared_document_from_the_prefix_cache(

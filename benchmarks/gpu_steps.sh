@@ -4,9 +4,12 @@
 # output folder) or ./gpu-out. Each step fits one call of at most 10 minutes; run them back to
 # back (an idle machine is taken back after 30 s).
 #
-#   bash benchmarks/gpu_steps.sh tests|bench1b|bench8b|eager|eager1b|eager8b|profile|ab|serve|
+#   bash benchmarks/gpu_steps.sh tests|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|
+#                                profile|ab|serve|
 #                                calibrate1b|calibrate8b
 #
+# hidden1b / hidden8b: compiled, the combined probe (hidden state through the taps) and the
+# attention-only probe, 512 and 2,048 tokens x 1 and 64, prefill only and 64 tokens decoded.
 # eager: both shapes in eager mode, the attention and the combined (hidden-state) probe kinds,
 # 512 tokens x batch 1 and 64; eager1b / eager8b: one shape, 512 and 2,048 tokens x 1, 16, 64.
 # ab: the same engine's caller settings side by side: each render group enqueued as it is
@@ -16,7 +19,7 @@
 # KV cache is capped (4,096 blocks): calibration's data-mean memos hold the whole stream per KV
 # slot, and with vLLM's default memory share they do not fit (refused at install).
 set -uo pipefail
-step=${1:?usage: gpu_steps.sh tests|bench1b|bench8b|eager|eager1b|eager8b|profile|ab|serve|calibrate1b|calibrate8b}
+step=${1:?usage: gpu_steps.sh tests|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|profile|ab|serve|calibrate1b|calibrate8b}
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 . /tmp/gpu-env.sh
@@ -43,6 +46,10 @@ case $step in
     python3 benchmarks/bench_gpu.py --shapes "$shape" --modes eager --kinds attention combined \
     --plain-text --lengths 512 2048 --batches 64 16 1 --max-tokens 1 --repeats 5 \
     --out "$out/gpu_eager_$shape.json" 2>&1 | grep "^{" ;;
+  hidden1b|hidden8b) shape=${step#hidden}  # compiled, the combined probe (taps, worker memos)
+    python3 benchmarks/bench_gpu.py --shapes "$shape" --modes compiled --kinds combined attention \
+    --lengths 512 2048 --batches 64 1 --max-tokens 1 64 --repeats 5 \
+    --out "$out/gpu_hidden_$shape.json" 2>&1 | grep "^{" ;;
   profile) python3 benchmarks/profile_phases.py --shape 1b --cases 1x512 64x512 --rounds 5 \
     --torch-profile --out "$out/phases.json" 2>&1 | quiet | tail -80 ;;
   ab) python3 benchmarks/profile_phases.py --shape 1b --cases 1x512 16x512 64x512 --rounds 5 \

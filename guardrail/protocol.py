@@ -37,6 +37,7 @@ __all__ = [
     "RPC_UNLOAD_STEERING",
     "STEER_ARG",
     "STOP_PROCESSOR",
+    "STREAM_MEMOS_KEY",
     "STREAM_OP",
     "STREAM_TAPS_KEY",
     "STREAM_TAP_WORKERS",
@@ -71,10 +72,17 @@ STREAM_TAPS_KEY = "guardrail_stream_taps"
 stream a compiled engine's worker taps at model load (``guardrail.worker.taps``). vLLM hashes
 ``additional_config`` into its compile-cache key, so a graph with taps never serves an engine
 without them, or with others."""
-STREAM_TAP_WORKERS = {"cpu": "guardrail.worker.taps.GuardrailCPUWorker"}
+STREAM_MEMOS_KEY = "guardrail_stream_memos"
+"""``LLM(additional_config={STREAM_MEMOS_KEY: {layer: read-out}})``: the data-mean read-outs
+(``HiddenLayerProbe`` as JSON) whose memo a compiled engine's worker keeps from before vLLM
+captures its CUDA graphs (``guardrail.worker.taps.install_memos``)."""
+STREAM_TAP_WORKERS = {
+    "cpu": "guardrail.worker.cpu_worker.GuardrailCPUWorker",
+    "cuda": "guardrail.worker.gpu_worker.GuardrailGPUWorker",
+}
 """``LLM(worker_cls=...)`` by device type: the vLLM worker that installs the stream taps before
-vLLM compiles the model. A device type without one (CUDA: docs/compiled-hidden.md) reads the
-hidden state in eager mode only."""
+vLLM compiles the model (and on CUDA splits the compiled graph at them). A device type without
+one reads the hidden state in eager mode only."""
 
 # -- SamplingParams.extra_args keys ---------------------------------------------------------------
 PROBE_ARG = "guardrail_probe"

@@ -24,7 +24,7 @@ from guardrail.probe.config import ModelProbeConfig, resolve_config
 from guardrail.probe.scoring import HeadKey
 from guardrail.protocol import (
     STOP_PROCESSOR,
-    STREAM_OP,
+    STREAM_MEMOS_KEY,
     STREAM_TAP_WORKERS,
     STREAM_TAPS_KEY,
     WORKER_EXTENSION,
@@ -43,7 +43,6 @@ __all__ = [
     "engine_probe_config",
     "heads_to_score",
     "stream_tap_arguments",
-    "with_stream_splitting_op",
 ]
 
 
@@ -94,7 +93,7 @@ def engine_probe_config(
     whether the engine will run eager (``enforce_eager=True`` given, or the CPU default of
     ``EngineHandle.start_arguments``); with no config given, an eager engine of the embedded
     SmolLM2 reads the ``combined`` variant, and so does a compiled one on a device whose
-    compiled engines read the hidden state (``STREAM_TAP_WORKERS``: the CPU); a compiled
+    compiled engines read the hidden state (``STREAM_TAP_WORKERS``: CPU and CUDA); a compiled
     engine elsewhere reads the attention-only default.
     ``announce``: log a config that was never calibrated (the engines do, once at start-up;
     a guard's every verdict says it too)."""
@@ -118,11 +117,12 @@ def stream_tap_arguments(
 ) -> dict[str, Any]:
     """``arguments`` (the engine's start arguments, defaults filled in) plus, for a compiled
     engine that reads decoder layers (``config.hidden`` and ``raw_layers``, calibration's), on
-    a device with a tapping worker (``STREAM_TAP_WORKERS``), that worker and the layers it taps
-    at model load (``additional_config``, which vLLM hashes into its compile-cache key;
+    a device with a tapping worker (``STREAM_TAP_WORKERS``), that worker, the layers it taps
+    at model load and the config's data-mean read-outs, whose memos it keeps
+    (``additional_config``, which vLLM hashes into its compile-cache key;
     docs/compiled-hidden.md). Any other engine's arguments come back unchanged: an eager
     engine reads through forward hooks, and a compiled one on another device refuses a hidden
-    config at install, as it did before.
+    config at install.
 
     Example:
         >>> config = ModelProbeConfig(model_id="m", heads=[(0, 1)])
@@ -143,28 +143,11 @@ def stream_tap_arguments(
         )
     extra = dict(arguments.get("additional_config") or {})
     extra[STREAM_TAPS_KEY] = layers
+    parts = config.hidden or []
+    memos = {str(p.layer): p.model_dump(mode="json") for p in parts if p.position == "data_mean"}
+    if memos:  # kept by the worker from before CUDA graph capture
+        extra[STREAM_MEMOS_KEY] = memos
     return {**arguments, "worker_cls": worker, "additional_config": extra}
-
-
-def with_stream_splitting_op(
-    compilation_config: dict[str, Any] | None, default_ops: Sequence[str]
-) -> dict[str, Any]:
-    """A compilation config whose graphs are also split at the stream op, for a device that
-    replays pieces as CUDA graphs (where no Python runs, so a captured op would never call its
-    reader): the given splitting ops, or vLLM's ``default_ops`` (its attention ops) when none
-    are given, plus ``STREAM_OP``. Not used yet: compiled GPU engines do not read the hidden
-    state (docs/compiled-hidden.md says what else they need).
-
-    Example:
-        >>> config = with_stream_splitting_op({"mode": 3}, ["vllm::unified_attention_with_output"])
-        >>> config["mode"], config["splitting_ops"]
-        (3, ['vllm::unified_attention_with_output', 'guardrail::read_stream'])
-    """
-    config = dict(compilation_config or {})
-    ops = list(config.get("splitting_ops") or default_ops)
-    if STREAM_OP not in ops:
-        ops.append(STREAM_OP)
-    return {**config, "splitting_ops": ops}
 
 
 def check_sizes_from_files(model: str, config: ModelProbeConfig) -> None:

@@ -42,18 +42,27 @@ same on every rank; with pipeline parallelism each stage reads the layers it hol
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
-from guardrail.protocol import ProbeErrorReason
+from guardrail.protocol import STREAM_MEMOS_KEY, STREAM_TAP_WORKERS, ProbeErrorReason
 from guardrail.worker.forward import decoder_layers, step_metadata
 from guardrail.worker.rows import StepRows
-from guardrail.worker.stream_op import READERS, tapped_layers
+from guardrail.worker.stream_op import MEMOS, READERS, tapped_layers
 
-__all__ = ["HiddenReader", "Readout", "install_hidden", "make_hidden_hook", "make_hidden_read"]
+__all__ = [
+    "HiddenReader",
+    "MemoWriter",
+    "Readout",
+    "install_hidden",
+    "make_hidden_hook",
+    "make_hidden_read",
+    "write_memo",
+]
 
 
 @dataclass
@@ -83,6 +92,64 @@ class Readout:
         return x.float() @ self.coef
 
 
+def _whole_stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return (hidden if residual is None else hidden + residual).float()
+
+
+def write_memo(
+    memo: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    value: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+) -> None:
+    """Write ``value(hidden, residual)`` of every token of the step at its KV slot of ``memo``;
+    padded tokens (slot -1) go to the spare last entry. Tensor operations only, with no host
+    synchronisation: safe to capture in a CUDA graph, which replays it with the step's slots."""
+    n = min(slot_mapping.shape[0], hidden.shape[0])
+    slots = slot_mapping[:n].long()
+    slots = torch.where(slots >= 0, slots, memo.shape[0] - 1)
+    memo.index_copy_(0, slots, value(hidden[:n], residual[:n] if residual is not None else None))
+
+
+@dataclass
+class MemoWriter:
+    """The data-mean memo of one tapped decoder layer, owned by the worker (not the probe).
+
+    A compiled engine's worker makes it before vLLM captures its CUDA graphs
+    (``guardrail.worker.taps.install_memos``), from the read-out the engine was started with,
+    and the layer's ``guardrail::read_stream`` op calls it in every step: between the compiled
+    pieces (where the op is a splitting op) and inside the full CUDA graphs of decode steps,
+    where its tensor operations were captured with vLLM's persistent slot-mapping buffer, so
+    they replay with each step's slots. The memo therefore mirrors the KV cache in every step,
+    whatever graph runs it, and the probe reads it (``HiddenReader.read``). A write that fails
+    poisons the memo (NaN): every data-mean term then fails its row, never a stale mean."""
+
+    layer: int
+    readout: Readout
+    memo: torch.Tensor  # [slots + 1] float32, NaN until a slot is written
+
+    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        from vllm.forward_context import get_forward_context
+
+        metadata = step_metadata(get_forward_context())
+        if metadata is None:  # profiling, piecewise capture
+            return
+        try:
+            write_memo(self.memo, metadata.slot_mapping, hidden, residual, self.readout.project)
+        except Exception:
+            self.memo.fill_(float("nan"))
+
+    def matches(self, readout: Readout) -> bool:
+        """Whether ``readout`` projects on the same coordinates and coefficients."""
+        mine = self.readout
+        return bool(
+            mine.dims.shape == readout.dims.shape
+            and torch.equal(mine.dims.cpu(), readout.dims.cpu())
+            and torch.equal(mine.coef.cpu(), readout.coef.cpu())
+        )
+
+
 @dataclass
 class HiddenReader:
     """One decoder layer whose residual stream the probe reads."""
@@ -92,31 +159,24 @@ class HiddenReader:
     mean: Readout | None = None  # the config's read-out of the data tokens' mean stream
     raw_last: bool = False  # return the last token's whole stream (calibration)
     memo: torch.Tensor | None = None  # [slots + 1]: each KV slot's projection on ``mean``
+    worker_memo: bool = False  # ``memo`` is a ``MemoWriter``'s: written by the worker's op
     raw_memo: torch.Tensor | None = None  # [slots + 1, hidden_size]: streams (raw_mean_layers)
     handle: Any = None  # RemovableHandle of the forward hook
 
     @property
     def remembers(self) -> bool:
-        return self.memo is not None or self.raw_memo is not None
+        return (self.memo is not None and not self.worker_memo) or self.raw_memo is not None
 
     def remember(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, slot_mapping: torch.Tensor
     ) -> None:
-        """Write every computed token's projection (and whole stream) at its KV slot; padded
-        tokens (slot -1) go to the spare last entry."""
-        memo = self.memo if self.memo is not None else self.raw_memo
-        assert memo is not None
-        n = min(slot_mapping.shape[0], hidden.shape[0])
-        slots = slot_mapping[:n].long()
-        slots = torch.where(slots >= 0, slots, memo.shape[0] - 1)
-        hidden = hidden[:n]
-        residual = residual[:n] if residual is not None else None
-        if self.memo is not None:
+        """Write every computed token's projection (unless the worker's ``MemoWriter`` does)
+        and whole stream at its KV slot."""
+        if self.memo is not None and not self.worker_memo:
             assert self.mean is not None
-            self.memo.index_copy_(0, slots, self.mean.project(hidden, residual))
+            write_memo(self.memo, slot_mapping, hidden, residual, self.mean.project)
         if self.raw_memo is not None:
-            stream = hidden if residual is None else hidden + residual
-            self.raw_memo.index_copy_(0, slots, stream.float())
+            write_memo(self.raw_memo, slot_mapping, hidden, residual, _whole_stream)
 
     def read(self, rows: StepRows, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         """Every scored row's logit term (the sum of this layer's read-outs) and raw streams,
@@ -262,7 +322,10 @@ def install_hidden(
                 reader.last = Readout.of(part, device)
             elif part.layer == index:
                 reader.mean = Readout.of(part, device)
-                reader.memo = torch.full((slots + 1,), float("nan"), device=device)
+                if index in tapped:  # the worker writes it, also inside captured graphs
+                    reader.memo, reader.worker_memo = _worker_memo(runner, reader.mean, index), True
+                else:
+                    reader.memo = torch.full((slots + 1,), float("nan"), device=device)
         if index in raw_mean_layers:
             size = (slots + 1, info["hidden_size"])
             reader.raw_memo = torch.full(size, float("nan"), device=device)
@@ -273,6 +336,22 @@ def install_hidden(
         probe.last_layer, probe.finish_on_hidden = max(probe.hidden), True
 
 
+def _worker_memo(runner: Any, readout: Readout, layer: int) -> torch.Tensor:
+    """The memo the worker keeps for tapped ``layer`` (``MemoWriter``), checked against the
+    probe's read-out: a compiled engine's data-mean read-outs are fixed when it starts."""
+    engine = runner.vllm_config.compilation_config.static_forward_context
+    writer = MEMOS.reader(engine, layer)
+    if not isinstance(writer, MemoWriter) or not writer.matches(readout):
+        what = "no data-mean memo" if writer is None else "another data-mean read-out"
+        raise ValueError(
+            f"hidden layer {layer}: this compiled engine's worker keeps {what} for it; a "
+            "compiled engine's data-mean read-outs are fixed at start (additional_config "
+            f"{STREAM_MEMOS_KEY!r}): start the engine with this config, or with "
+            "enforce_eager=True"
+        )
+    return writer.memo
+
+
 def _check_compiled(info: dict[str, Any], wanted: list[int], tapped: set[int]) -> None:
     """In compiled mode a layer can only be read through a tap installed before compilation:
     refuse, naming what would work, when one is missing."""
@@ -280,11 +359,11 @@ def _check_compiled(info: dict[str, Any], wanted: list[int], tapped: set[int]) -
     if info["enforce_eager"] or not missing:
         return
     where = (
-        "a compiled CPU engine reads only the layers its worker tapped at model load "
+        "a compiled engine reads only the layers its worker tapped at model load "
         "(HookedLLM and AsyncHookedLLM have vLLM tap those of their config and calibration "
         "layers)"
-        if str(info["device"]).startswith("cpu")
-        else f"compiled engines on {info['device']} cannot tap decoder layers yet "
+        if str(info["device"]).split(":")[0] in STREAM_TAP_WORKERS
+        else f"compiled engines on {info['device']} cannot tap decoder layers "
         "(docs/compiled-hidden.md)"
     )
     raise ValueError(

@@ -38,6 +38,7 @@ from torch.fx.node import has_side_effect
 from guardrail.protocol import STREAM_OP
 
 __all__ = [
+    "MEMOS",
     "OP_NAME",
     "READERS",
     "ReaderHandle",
@@ -100,6 +101,10 @@ class StreamReaders:
 
 READERS = StreamReaders()
 """The process's readers: ``guardrail.worker.hidden`` connects them at probe install."""
+MEMOS = StreamReaders()
+"""The process's data-mean memo writers (``guardrail.worker.hidden.MemoWriter``): the worker
+connects them before vLLM captures its CUDA graphs (``guardrail.worker.taps.install_memos``).
+The op calls a layer's writer before its reader."""
 
 
 def _current_engine() -> Any:
@@ -119,9 +124,10 @@ def read_stream(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int)
     engine = _current_engine()
     if engine is None:
         return
-    reader = READERS.reader(engine, layer)
-    if reader is not None:
-        reader(hidden, residual)
+    for readers in (MEMOS, READERS):
+        reader = readers.reader(engine, layer)
+        if reader is not None:
+            reader(hidden, residual)
 
 
 @read_stream.register_fake

@@ -1,39 +1,53 @@
-"""The vLLM worker of a compiled CPU engine that reads the hidden state: it taps the decoder
-layers at model load, before vLLM compiles the model.
+"""What a compiled engine's worker does to its model before vLLM compiles it and captures its
+CUDA graphs, so the hidden-state read-outs run in compiled mode
+(docs/compiled-hidden.md):
 
-vLLM loads the model (``load_model``), then compiles it on the first forward pass (the CPU
-worker's warm-up) and, from then on, runs the compiled graphs, whatever hooks are added later.
-``GuardrailCPUWorker`` is vLLM's CPU worker plus one step at the end of ``load_model``: a
-forward hook (``guardrail.worker.stream_op.make_tap``) on each decoder layer listed under
-``STREAM_TAPS_KEY`` in the engine's ``additional_config``, which torch.compile then traces into
-the graph as a call of the ``guardrail::read_stream`` op. The engine asks for it with
-``LLM(worker_cls=STREAM_TAP_WORKERS["cpu"], additional_config={STREAM_TAPS_KEY: layers})``
-(``guardrail.engine.install.stream_tap_arguments``); the layers are in ``additional_config``
-because vLLM hashes it into its compile-cache key.
+- ``install_taps`` (at model load): a forward hook (``guardrail.worker.stream_op.make_tap``)
+  on each decoder layer listed under ``STREAM_TAPS_KEY`` in the engine's ``additional_config``,
+  which torch.compile traces into the graph as a call of the ``guardrail::read_stream`` op;
+- ``split_at_stream_op`` (at model load, CUDA): the op joins vLLM's splitting ops, so under
+  piecewise CUDA graphs it runs as Python between the captured pieces, like attention;
+- ``install_memos`` (after the KV cache is allocated, before CUDA graphs are captured): the
+  data-mean memo of each read-out under ``STREAM_MEMOS_KEY``, written by the op in every step
+  (``guardrail.worker.hidden.MemoWriter``), also inside full CUDA graphs.
 
-The taps do nothing until the probe is installed and connects a reader to them
-(``guardrail.worker.hidden.install_hidden``); an engine without guardrail's probe runs them as
-empty op calls.
+The workers that call them: ``guardrail.worker.cpu_worker`` and ``guardrail.worker.gpu_worker``
+(``guardrail.protocol.STREAM_TAP_WORKERS``); ``guardrail.engine.install.stream_tap_arguments``
+asks for them. The layers and read-outs are in ``additional_config`` because vLLM hashes it into
+its compile-cache key. The taps do nothing until the probe is installed and connects a reader
+to them (``guardrail.worker.hidden.install_hidden``), apart from the memo writes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.worker.cpu_worker import CPUWorker
+import torch
 
-from guardrail.protocol import STREAM_TAPS_KEY
+from guardrail.probe.config import HiddenLayerProbe
+from guardrail.protocol import STREAM_MEMOS_KEY, STREAM_OP, STREAM_TAPS_KEY
 from guardrail.worker.forward import decoder_layers
-from guardrail.worker.stream_op import make_tap
+from guardrail.worker.hidden import MemoWriter, Readout
+from guardrail.worker.stream_op import MEMOS, make_tap, tapped_layers
 
-__all__ = ["GuardrailCPUWorker", "install_taps", "tap_layers"]
+__all__ = ["install_memos", "install_taps", "memo_readouts", "split_at_stream_op", "tap_layers"]
+
+
+def _extra(vllm_config: Any) -> dict[str, Any]:
+    extra = getattr(vllm_config, "additional_config", None)
+    return extra if isinstance(extra, dict) else {}
 
 
 def tap_layers(vllm_config: Any) -> list[int]:
     """The decoder layers the engine asked to tap (``additional_config[STREAM_TAPS_KEY]``)."""
-    extra = getattr(vllm_config, "additional_config", None)
-    layers = extra.get(STREAM_TAPS_KEY, []) if isinstance(extra, dict) else []
-    return sorted({int(layer) for layer in layers})
+    return sorted({int(layer) for layer in _extra(vllm_config).get(STREAM_TAPS_KEY, [])})
+
+
+def memo_readouts(vllm_config: Any) -> dict[int, HiddenLayerProbe]:
+    """The data-mean read-outs whose memo the worker keeps, by decoder layer
+    (``additional_config[STREAM_MEMOS_KEY]``)."""
+    spec = _extra(vllm_config).get(STREAM_MEMOS_KEY) or {}
+    return {int(layer): HiddenLayerProbe.model_validate(part) for layer, part in spec.items()}
 
 
 def install_taps(runner: Any) -> list[int]:
@@ -59,9 +73,45 @@ def install_taps(runner: Any) -> list[int]:
     return tapped
 
 
-class GuardrailCPUWorker(CPUWorker):
-    """vLLM's CPU worker whose model carries the stream taps before it is compiled."""
+def split_at_stream_op(vllm_config: Any) -> bool:
+    """Add ``STREAM_OP`` to the splitting ops vLLM settled on (its attention ops, or the
+    user's), so piecewise CUDA graphs leave the taps' op out and it runs between the pieces.
+    Called in the worker before the model is compiled (the compile-cache key hashes the
+    splitting ops). No change where vLLM does not split (no piecewise compilation)."""
+    compilation = vllm_config.compilation_config
+    ops = compilation.splitting_ops
+    if not tap_layers(vllm_config) or not ops or STREAM_OP in ops:
+        return False
+    ops.append(STREAM_OP)
+    return True
 
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)
-        install_taps(self.model_runner)
+
+def install_memos(runner: Any) -> list[int]:
+    """Make the data-mean memo of each read-out of ``memo_readouts`` (one float32 per KV slot,
+    plus a spare entry for padded tokens, NaN until written) and connect its writer to the
+    layer's tap: after the KV cache is allocated (its size), before vLLM captures CUDA graphs
+    (so the full graphs capture the writes). Returns the layers."""
+    readouts = memo_readouts(runner.vllm_config)
+    if not readouts:
+        return []
+    layers = decoder_layers(runner) or []
+    count = len(layers)
+    tapped = tapped_layers(layers)
+    held = [i for i in readouts if i in tapped]
+    missing = [  # a layer another pipeline stage holds is that stage's
+        i
+        for i in sorted(set(readouts) - tapped)
+        if i >= count or type(layers[i]).__name__ != "PPMissingLayer"
+    ]
+    if missing:
+        raise ValueError(f"{STREAM_MEMOS_KEY} names decoder layers {missing}, which are not tapped")
+    num_blocks = getattr(getattr(runner, "kv_cache_config", None), "num_blocks", None)
+    if not num_blocks:
+        raise ValueError("the data-mean memo needs the KV cache's size: no kv_cache_config yet")
+    slots = int(num_blocks) * int(runner.vllm_config.cache_config.block_size)
+    engine = runner.vllm_config.compilation_config.static_forward_context
+    for index in held:
+        memo = torch.full((slots + 1,), float("nan"), device=runner.device)
+        writer = MemoWriter(index, Readout.of(readouts[index], runner.device), memo)
+        MEMOS.connect(engine, index, writer)
+    return sorted(held)

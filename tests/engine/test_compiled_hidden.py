@@ -21,7 +21,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.engine.test_hidden_state import cached_and_chunked_passes, expected_terms, hf_streams
+from tests.engine.test_hidden_state import (
+    cached_and_chunked_passes,
+    decoded_tokens_as_data,
+    expected_terms,
+    hf_streams,
+)
 from tests.helpers import hf_head_stats, mixed_batch, start_engine, tiny_hidden_config
 
 pytestmark = pytest.mark.slow
@@ -94,6 +99,13 @@ def test_compiled_hidden_terms_equal_hf_with_chunked_prefill_and_prefix_cache(
     compiled: Any, tiny_llama_dir: Path
 ) -> None:
     check_against_hf(compiled, tiny_llama_dir, cached_and_chunked_passes(compiled))
+
+
+def test_compiled_data_mean_reads_decoded_tokens_from_the_prefix_cache(
+    compiled: Any, tiny_llama_dir: Path
+) -> None:
+    """The memo the worker keeps is written in decode steps too."""
+    check_against_hf(compiled, tiny_llama_dir, [decoded_tokens_as_data(compiled)])
 
 
 def test_compiled_early_stop_uses_the_hidden_terms(compiled: Any) -> None:

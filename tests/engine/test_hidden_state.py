@@ -147,6 +147,42 @@ def test_data_mean_reads_a_shared_document_from_the_prefix_cache(
     check_against_hf(engine, tiny_llama_dir, first + later)
 
 
+def test_data_mean_reads_decoded_tokens_from_the_prefix_cache(
+    engine: Any, tiny_llama_dir: Path
+) -> None:
+    check_against_hf(engine, tiny_llama_dir, [decoded_tokens_as_data(engine)])
+
+
+def decoded_tokens_as_data(engine: Any) -> Any:
+    """A request whose data are an earlier request's *decoded* tokens, found in the prefix
+    cache: turn one decodes 48 tokens (on a GPU each decode step replays a full CUDA graph),
+    turn two sends them back as the assistant's message (untrusted: a data span) and its prompt
+    starts with turn one's prompt and decoded tokens, so their KV blocks (and their memo
+    entries, written in the decode steps) are reused, never recomputed. Turn two's output."""
+    tok = engine.tokenizer
+    words = [tok.encode(w, add_special_tokens=False) for w in (" the", " a", " and", " of", " to")]
+    allowed = [ids[0] for ids in words if len(ids) == 1]
+    assert len(allowed) >= 2
+    first_turn = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Write a few words."},
+    ]
+    params = engine.sampling(max_tokens=49, ignore_eos=True, allowed_token_ids=allowed)
+    first = engine.generate([first_turn], params)[0]
+    assert first.probe.error is None and len(first.token_ids) == 49
+    reply = {"role": "assistant", "content": tok.decode(first.token_ids[:-1])}
+    second = engine.generate(
+        [[*first_turn, reply, {"role": "user", "content": "Go on."}]], engine.sampling(max_tokens=1)
+    )[0]
+    computed = first.prompt.token_ids + first.token_ids[:-1]  # the last one was never computed
+    assert second.prompt.token_ids[: len(computed)] == computed
+    (start, end), *_ = second.prompt.data_spans
+    assert start <= len(first.prompt.token_ids) and end >= len(computed)
+    # blocks written by decode steps came from the cache
+    assert second.num_cached_tokens >= len(first.prompt.token_ids) + 16
+    return second
+
+
 def test_hidden_terms_move_the_focus(engine: Any) -> None:
     """The read-out is part of the score: without it the same heads give another focus."""
     out = engine.score([("Summarize.", "Hi Bob, lunch at noon?")])[0]

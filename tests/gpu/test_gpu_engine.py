@@ -157,9 +157,11 @@ def test_no_request_escapes_the_probe_under_full_cuda_graphs(fp16_llama_dir):
         engine.close()
 
 
-def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir):
-    """Eager (the hidden read-outs are Python hooks): whole streams of layers 0-2 at the last
-    token and over the data, and the config's terms, against HF float16 on the same GPU."""
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir, eager):
+    """Whole streams of layers 0-2 at the last token and over the data, and the config's terms,
+    against HF float16 on the same GPU: eager (Python hooks) and compiled (the taps' op between
+    the piecewise CUDA graphs, the data-mean memo kept by the worker)."""
     import numpy as np
 
     from tests.engine.test_hidden_state import hf_streams
@@ -167,7 +169,7 @@ def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir):
     config = tiny_hidden_config(hidden_size=SHAPE["hidden_size"])
     engine = _engine(
         fp16_llama_dir,
-        eager=True,
+        eager=eager,
         config=config,
         probe_hidden_layers=[0, 1, 2],
         probe_data_mean_layers=[0, 1, 2],
@@ -200,7 +202,8 @@ def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir):
             for layer, want in want_terms.items():
                 scale = max(1.0, abs(want))
                 worst_term = max(worst_term, abs(probe.hidden[layer] - want) / scale)
-        print(f"gpu hidden parity: stream {worst_stream:.2e} (relative), term {worst_term:.2e}")
+        mode = "eager" if eager else "compiled"
+        print(f"gpu hidden parity ({mode}): stream {worst_stream:.2e}, term {worst_term:.2e}")
         assert worst_stream <= FP16_STREAM_TOL
         assert worst_term <= FP16_STREAM_TOL
     finally:
@@ -223,11 +226,40 @@ def test_calibration_memo_too_large_is_refused_with_the_fix(fp16_llama_dir):
     assert "data-mean read-outs of 4 layers" in str(refused.value)
 
 
-def test_a_compiled_engine_refuses_a_hidden_config_naming_eager_mode(fp16_llama_dir):
-    """Compiled GPU engines do not tap decoder layers (docs/compiled-hidden.md): a config with
-    a hidden part is refused at start, saying what to do, never run without its terms."""
-    from guardrail.errors import GuardrailError
+def _hf_terms(model_dir: Path, config, out) -> dict[int, float]:  # type: ignore[no-untyped-def]
+    from tests.engine.test_hidden_state import expected_terms, hf_streams
 
-    with pytest.raises(GuardrailError, match=r"on cuda:0 cannot tap decoder layers yet") as refused:
-        _engine(fp16_llama_dir, eager=False, config=tiny_hidden_config(SHAPE["hidden_size"]))
-    assert "enforce_eager=True" in str(refused.value)
+    p = out.prompt
+    spans = tuple(tuple(s) for s in p.data_spans)
+    last, mean = hf_streams(str(model_dir), tuple(p.token_ids), spans, torch.float16, "cuda")
+    return expected_terms(config, last, mean)
+
+
+def test_compiled_data_mean_memo_is_written_inside_full_cuda_graphs(fp16_llama_dir):
+    """Turn one decodes 48 tokens, each decode step a full CUDA graph (no Python runs there);
+    turn two sends them back as data, served from the prefix cache: its data-mean terms come
+    from memo entries written by those graphs, and must equal HF's. The same config in eager
+    mode first, for the reference error."""
+    from tests.engine.test_hidden_state import decoded_tokens_as_data
+
+    config = tiny_hidden_config(hidden_size=SHAPE["hidden_size"])
+    worst = {}
+    for eager in (True, False):
+        engine = _engine(fp16_llama_dir, eager=eager, config=config)
+        try:
+            if not eager:
+                assert "FULL" in engine.model_info["cudagraph_mode"], engine.model_info
+            out = decoded_tokens_as_data(engine)
+            assert out.probe.error is None, out.probe.error
+            want = _hf_terms(fp16_llama_dir, config, out)
+            assert sorted(out.probe.hidden) == sorted(want)
+            worst[eager] = max(
+                abs(out.probe.hidden[layer] - term) / max(1.0, abs(term))
+                for layer, term in want.items()
+            )
+        finally:
+            engine.close()
+    print(
+        f"decoded tokens as data, term vs HF: eager {worst[True]:.2e}, compiled {worst[False]:.2e}"
+    )
+    assert worst[True] <= FP16_STREAM_TOL and worst[False] <= FP16_STREAM_TOL

@@ -14,12 +14,25 @@ from vllm.forward_context import override_forward_context
 
 from guardrail.engine import install
 from guardrail.errors import ConfigError
-from guardrail.probe.config import ModelProbeConfig
-from guardrail.protocol import STREAM_OP, STREAM_TAP_WORKERS, STREAM_TAPS_KEY, ProbeErrorReason
-from guardrail.worker.hidden import _check_compiled
+from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
+from guardrail.protocol import (
+    STREAM_MEMOS_KEY,
+    STREAM_OP,
+    STREAM_TAP_WORKERS,
+    STREAM_TAPS_KEY,
+    ProbeErrorReason,
+)
+from guardrail.worker.hidden import HiddenReader, MemoWriter, Readout, _check_compiled, _worker_memo
 from guardrail.worker.probe import Probe, ProbeSettings
 from guardrail.worker.rows import FLAG_MESSAGES, NONFINITE, StepRows
-from guardrail.worker.stream_op import READERS, StreamReaders, make_tap, tapped_layers
+from guardrail.worker.stream_op import MEMOS, READERS, StreamReaders, make_tap, tapped_layers
+from guardrail.worker.taps import (
+    install_memos,
+    install_taps,
+    memo_readouts,
+    split_at_stream_op,
+    tap_layers,
+)
 from tests.helpers import tiny_hidden_config
 
 
@@ -122,8 +135,6 @@ def test_a_tap_traced_by_torch_compile_calls_the_reader_with_the_layers_output()
 
 
 def test_install_taps_taps_the_layers_in_additional_config() -> None:
-    taps = pytest.importorskip("guardrail.worker.taps")  # vLLM's CPU worker: the CPU build
-    install_taps, tap_layers = taps.install_taps, taps.tap_layers
     model = Tiny()
     runner = SimpleNamespace(
         vllm_config=SimpleNamespace(additional_config={STREAM_TAPS_KEY: [2, 0, 2]}),
@@ -137,7 +148,110 @@ def test_install_taps_taps_the_layers_in_additional_config() -> None:
         install_taps(runner)
     runner.vllm_config.additional_config = {}
     assert install_taps(runner) == []
-    assert taps.GuardrailCPUWorker.__mro__[1].__name__ == "CPUWorker"
+
+
+def test_the_workers_are_vllms_own_plus_the_taps() -> None:
+    from guardrail.worker.cpu_worker import GuardrailCPUWorker
+    from guardrail.worker.gpu_worker import GuardrailGPUWorker
+
+    assert GuardrailCPUWorker.__mro__[1].__name__ == "CPUWorker"
+    assert GuardrailGPUWorker.__mro__[1].__name__ == "Worker"
+    for worker in (GuardrailCPUWorker, GuardrailGPUWorker):
+        assert {"load_model", "compile_or_warm_up_model"} <= set(vars(worker))
+
+
+def test_the_op_joins_the_splitting_ops_vllm_settled_on() -> None:
+    attention = ["vllm::unified_attention_with_output", "vllm::unified_kv_cache_update"]
+    config = SimpleNamespace(
+        additional_config={STREAM_TAPS_KEY: [1]},
+        compilation_config=SimpleNamespace(splitting_ops=list(attention)),
+    )
+    assert split_at_stream_op(config)
+    assert config.compilation_config.splitting_ops == [*attention, STREAM_OP]
+    assert not split_at_stream_op(config)  # once
+    none = SimpleNamespace(
+        additional_config={}, compilation_config=SimpleNamespace(splitting_ops=[])
+    )
+    assert not split_at_stream_op(none)  # no taps, or no piecewise split: unchanged
+    assert none.compilation_config.splitting_ops == []
+
+
+def memo_runner(spec: dict[str, Any], layers: int = 4, blocks: int = 3) -> Any:
+    model = Tiny()
+    model.layers.extend(Layer() for _ in range(layers - 3))
+    for i in range(layers):
+        model.layers[i].register_forward_hook(make_tap(i))
+    return SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            additional_config={STREAM_TAPS_KEY: list(range(layers)), STREAM_MEMOS_KEY: spec},
+            cache_config=SimpleNamespace(block_size=4),
+            compilation_config=SimpleNamespace(static_forward_context={}),
+        ),
+        model=SimpleNamespace(model=model),
+        kv_cache_config=SimpleNamespace(num_blocks=blocks),
+        device="cpu",
+    )
+
+
+def test_the_worker_keeps_each_data_mean_memo_and_the_op_writes_it_in_every_step() -> None:
+    """The memo a compiled engine's worker makes before graph capture: one float per KV slot
+    plus the spare, NaN until written; the op writes each token's projection at its slot
+    (padded tokens, slot -1, to the spare) and the probe's reader finds it, same read-out only."""
+    part = HiddenLayerProbe(
+        layer=2,
+        dims=[1, 5],
+        mean=[0.0, 1.0],
+        scale=[2.0, 4.0],
+        weights=[1.0, -2.0],
+        position="data_mean",
+    )
+    runner = memo_runner({"2": part.model_dump(mode="json")})
+    assert memo_readouts(runner.vllm_config) == {2: part}
+    assert install_memos(runner) == [2]
+    engine = runner.vllm_config.compilation_config.static_forward_context
+    writer = MEMOS.reader(engine, 2)
+    try:
+        assert isinstance(writer, MemoWriter) and writer.memo.shape == (13,)
+        assert torch.isnan(writer.memo).all()
+        hidden, residual = torch.randn(4, 8), torch.randn(4, 8)
+        slots = torch.tensor([7, 0, -1, 11])
+        metadata = SimpleNamespace(slot_mapping=slots)
+        context = SimpleNamespace(no_compile_layers=engine, attn_metadata={"l": metadata})
+        with override_forward_context(context):  # type: ignore[arg-type]
+            torch.ops.guardrail.read_stream(hidden, residual, 2)
+        x = hidden + residual
+        want = x[:, 1] * 0.5 + x[:, 5] * -0.5
+        torch.testing.assert_close(writer.memo[[7, 0, 12, 11]], want)
+        assert int(torch.isnan(writer.memo).sum()) == 13 - 4
+        assert writer.matches(Readout.of(part, "cpu"))
+        other = part.model_copy(update={"weights": [1.0, -1.0]})
+        assert not writer.matches(Readout.of(other, "cpu"))
+        reader = HiddenReader(2, mean=Readout.of(part, "cpu"))
+        probe_runner = SimpleNamespace(vllm_config=runner.vllm_config)
+        assert _worker_memo(probe_runner, reader.mean, 2) is writer.memo  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"another data-mean read-out.*enforce_eager"):
+            _worker_memo(probe_runner, Readout.of(other, "cpu"), 2)
+        with pytest.raises(ValueError, match="no data-mean memo"):
+            _worker_memo(probe_runner, reader.mean, 3)  # type: ignore[arg-type]
+        bad = SimpleNamespace(slot_mapping=torch.tensor([0, 1, 2, 99]))  # outside the memo
+        with override_forward_context(SimpleNamespace(no_compile_layers=engine, attn_metadata=bad)):  # type: ignore[arg-type]
+            torch.ops.guardrail.read_stream(hidden, residual, 2)
+        assert torch.isnan(writer.memo).all()  # poisoned: every data-mean term fails its row
+    finally:
+        MEMOS.disconnect(engine, 2)
+
+
+def test_install_memos_refuses_what_it_cannot_keep() -> None:
+    part = HiddenLayerProbe(
+        layer=5, dims=[1], mean=[0.0], scale=[1.0], weights=[1.0], position="data_mean"
+    )
+    with pytest.raises(ValueError, match=r"layers \[5\], which are not tapped"):
+        install_memos(memo_runner({"5": part.model_dump(mode="json")}))
+    runner = memo_runner({"1": part.model_copy(update={"layer": 1}).model_dump(mode="json")})
+    runner.kv_cache_config = None
+    with pytest.raises(ValueError, match="KV cache's size"):
+        install_memos(runner)
+    assert install_memos(memo_runner({})) == []
 
 
 # -- the worker's refusal, the engine's arguments --------------------------------------------
@@ -149,12 +263,14 @@ def test_an_untapped_layer_is_refused_in_compiled_mode_with_what_to_do() -> None
     _check_compiled({**eager, "enforce_eager": False}, [1, 2], {1, 2})
     with pytest.raises(ValueError, match=r"\[2\], which are not tapped.*HookedLLM"):
         _check_compiled({**eager, "enforce_eager": False}, [1, 2], {1})
-    gpu = {"enforce_eager": False, "device": "cuda:0"}
-    with pytest.raises(ValueError, match=r"on cuda:0 cannot tap.*enforce_eager=True"):
-        _check_compiled(gpu, [1], set())
+    with pytest.raises(ValueError, match=r"\[1\], which are not tapped.*HookedLLM"):
+        _check_compiled({"enforce_eager": False, "device": "cuda:0"}, [1], set())
+    other = {"enforce_eager": False, "device": "xpu:0"}
+    with pytest.raises(ValueError, match=r"on xpu:0 cannot tap.*enforce_eager=True"):
+        _check_compiled(other, [1], set())
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", "cuda", "xpu"])
 def test_stream_tap_arguments_ask_for_the_tapping_worker_only_where_it_exists(
     device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -163,9 +279,14 @@ def test_stream_tap_arguments_ask_for_the_tapping_worker_only_where_it_exists(
     plain = ModelProbeConfig(model_id="m", heads=[(0, 1)])
     compiled = {"enforce_eager": False, "additional_config": {"user": 1}}
     got = install.stream_tap_arguments(compiled, hidden, [0])
-    if device == "cpu":
-        assert got["worker_cls"] == STREAM_TAP_WORKERS["cpu"]
+    tapping = device in STREAM_TAP_WORKERS
+    if tapping:
+        assert got["worker_cls"] == STREAM_TAP_WORKERS[device]
+        memos = got["additional_config"].pop(STREAM_MEMOS_KEY)
         assert got["additional_config"] == {"user": 1, STREAM_TAPS_KEY: [0, 1, 2, 3]}
+        data_mean = [p for p in hidden.hidden or [] if p.position == "data_mean"]
+        assert memos == {str(p.layer): p.model_dump(mode="json") for p in data_mean}
+        assert sorted(memos) == ["2", "3"]
         assert compiled == {"enforce_eager": False, "additional_config": {"user": 1}}  # a copy
         with pytest.raises(ConfigError, match="worker_cls"):
             install.stream_tap_arguments({**compiled, "worker_cls": "my.Worker"}, hidden)
@@ -174,19 +295,8 @@ def test_stream_tap_arguments_ask_for_the_tapping_worker_only_where_it_exists(
     assert install.stream_tap_arguments({"enforce_eager": True}, hidden) == {"enforce_eager": True}
     assert install.stream_tap_arguments(compiled, plain) == compiled
     assert install.stream_tap_arguments(compiled, plain, [1])["additional_config"] == (
-        {"user": 1, STREAM_TAPS_KEY: [1]} if device == "cpu" else {"user": 1}
+        {"user": 1, STREAM_TAPS_KEY: [1]} if tapping else {"user": 1}
     )
-
-
-def test_the_splitting_op_is_added_to_vllms_list_or_the_users() -> None:
-    defaults = ["vllm::unified_attention_with_output", "vllm::mamba_mixer2"]
-    assert install.with_stream_splitting_op(None, defaults)["splitting_ops"] == [
-        *defaults,
-        STREAM_OP,
-    ]
-    mine = {"splitting_ops": ["a::b", STREAM_OP], "mode": 3}
-    assert install.with_stream_splitting_op(mine, defaults) == mine
-    assert defaults == ["vllm::unified_attention_with_output", "vllm::mamba_mixer2"]
 
 
 # -- a term that never came fails its row ----------------------------------------------------

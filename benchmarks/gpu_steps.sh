@@ -4,7 +4,7 @@
 # output folder) or ./gpu-out. Each step fits one call of at most 10 minutes; run them back to
 # back (an idle machine is taken back after 30 s).
 #
-#   bash benchmarks/gpu_steps.sh tests|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|
+#   bash benchmarks/gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|
 #                                profile|ab|serve|
 #                                calibrate1b|calibrate8b
 #
@@ -19,7 +19,7 @@
 # KV cache is capped (4,096 blocks): calibration's data-mean memos hold the whole stream per KV
 # slot, and with vLLM's default memory share they do not fit (refused at install).
 set -uo pipefail
-step=${1:?usage: gpu_steps.sh tests|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|profile|ab|serve|calibrate1b|calibrate8b}
+step=${1:?usage: gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|profile|ab|serve|calibrate1b|calibrate8b}
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 . /tmp/gpu-env.sh
@@ -35,6 +35,10 @@ quiet() { grep -v " INFO \| WARNING \|DEBUG\|it/s\]"; }
 case $step in
   tests) python3 -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | quiet | tail -40 \
     | tee "$out/gpu_tests.txt" ;;
+  tests-hidden|tests-rest)  # the suite in two calls: the hidden-state tests, then the others
+    select="hidden or memo"; [ "$step" = tests-rest ] && select="not ($select)"
+    python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k "$select" 2>&1 | quiet | tail -40 \
+    | tee "$out/gpu_$step.txt" ;;
   bench1b) python3 benchmarks/bench_gpu.py --shapes 1b --plain-text --lengths 512 2048 \
     --batches 64 1 16 --max-tokens 1 --out "$out/gpu_1b.json" 2>&1 | grep "^{" ;;
   bench8b) python3 benchmarks/bench_gpu.py --shapes 8b --plain-text --lengths 512 2048 \

@@ -534,9 +534,9 @@ EAGER_DEFAULT_VARIANT = "combined"
 """The shipped variant an engine that can read the hidden state uses when no probe config is
 given, for models that ship one (the embedded SmolLM2 does): attention plus hidden-state
 read-outs, the better detector on every transfer measure of docs/detection.md. Engines in eager
-mode read it, and so do compiled CPU engines (their decoder layers are tapped before vLLM
-compiles them: docs/compiled-hidden.md); a compiled GPU engine uses the model's default config
-(attention only)."""
+mode read it, and so do compiled CPU and CUDA engines (their decoder layers are tapped before
+vLLM compiles them: docs/compiled-hidden.md); a compiled engine on another device uses the
+model's default config (attention only)."""
 
 
 def resolve_config(
@@ -548,7 +548,7 @@ def resolve_config(
     """The probe config to use: the object given, the file given, the shipped variant named
     (a name without a path separator or ``.json``, e.g. ``"combined"``), or, with nothing
     given, the shipped default for ``model``: its ``EAGER_DEFAULT_VARIANT`` when the engine
-    can read the hidden state (``reads_hidden``: eager, or compiled on the CPU) and the model
+    can read the hidden state (``reads_hidden``: eager, or compiled on CPU or CUDA) and the model
     ships that variant, else its default config.
 
     Example:

@@ -469,25 +469,25 @@ def test_a_layer_read_at_both_positions_adds_one_term_per_layer():
     assert focus == pytest.approx(1 - 1 / (1 + math.exp(-z)))
 
 
-def test_the_engine_arguments_decide_the_default_config():
+def test_the_engine_arguments_decide_the_default_config(monkeypatch):
     """``engine_probe_config``: what the engine will run decides the default, through the same
     start arguments the engine gets (on the CPU, eager unless a compile argument is given): an
-    engine that reads the hidden state (eager, or compiled on the CPU, whose decoder layers
-    are tapped) the combined variant, a compiled GPU engine the attention-only default."""
-    from vllm.platforms import current_platform
-
+    engine that reads the hidden state (eager, or compiled on CPU or CUDA, whose decoder
+    layers are tapped) the combined variant, a compiled engine on a device without a tapping
+    worker the attention-only default."""
+    from guardrail.engine import install
     from guardrail.engine.install import engine_probe_config
 
     smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
     combined, default = load_model_config(smol, "combined"), load_model_config(smol)
-    compiled = combined if current_platform.is_cpu() else default
-    assert engine_probe_config(smol, None, {"enforce_eager": True}) == combined
-    assert engine_probe_config(smol, None, {"enforce_eager": False}) == compiled
-    assert engine_probe_config(smol, None, {"compilation_config": {"mode": 3}}) == compiled
-    assert engine_probe_config(smol, None, {}) == (
-        combined if current_platform.is_cpu() else default
-    )
-    assert engine_probe_config(smol, "combined", {"enforce_eager": False}) == combined
+    for device in ("cpu", "cuda", "xpu"):
+        monkeypatch.setattr(install, "_device_type", lambda device=device: device)
+        compiled = default if device == "xpu" else combined
+        assert engine_probe_config(smol, None, {"enforce_eager": True}) == combined
+        assert engine_probe_config(smol, None, {"enforce_eager": False}) == compiled
+        assert engine_probe_config(smol, None, {"compilation_config": {"mode": 3}}) == compiled
+        assert engine_probe_config(smol, "combined", {"enforce_eager": False}) == combined
+    assert engine_probe_config(smol, None, {}) == combined  # this machine's default mode
 
 
 def test_a_config_never_calibrated_is_named_with_the_command_that_fixes_it(caplog):

@@ -24,7 +24,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -54,14 +53,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/probe_ops.json")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker runs in this process
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_gpu import requests_of
     from torch.utils._python_dispatch import TorchDispatchMode
     from tqdm import tqdm
     from vllm import SamplingParams
 
     from guardrail.engine import HookedLLM
     from guardrail.testing.dummy_models import dummy_probe_config
+    from guardrail.testing.timing import requests_of
     from guardrail.worker import probe as worker_probe
     from guardrail.worker.stop import ProbeStopLogitsProcessor
 

@@ -27,7 +27,6 @@ import io
 import os
 import pstats
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -97,7 +96,6 @@ def main() -> None:
         parser.error("--sampler py-spy needs --py-spy PATH (the py-spy binary)")
     if args.sampler == "cprofile":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker runs in this process
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from guardrail.engine import HookedLLM
     from guardrail.testing.dummy_models import build_dummy_model, dummy_probe_config
 
@@ -136,9 +134,8 @@ def main() -> None:
 
 def profile_arm(args: argparse.Namespace, arm: str, engine: Any, batch: int, length: int) -> str:
     """Warm up, then profile ``args.rounds`` calls of one arm; the report's section."""
-    from bench_gpu import requests_of, time_once
-
     from guardrail.probe.prompts import prepare_prompt
+    from guardrail.testing.timing import requests_of, time_once
 
     tokenizer = engine.tokenizer if arm == "guarded" else engine.get_tokenizer()
 

@@ -36,7 +36,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 import time
 import warnings
 from collections import defaultdict
@@ -196,14 +195,13 @@ def main() -> None:
     # the worker timers travel to the engine core as a pickled function; with this set, vLLM
     # also types every element of a utility call's result (the guard's pop is built for that)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
-    from bench_gpu import requests_of
     from vllm.inputs import TextPrompt, TokensPrompt
 
     from guardrail.engine import HookedLLM, hooked
     from guardrail.probe.prompts import prepare_prompt
     from guardrail.testing.dummy_models import build_dummy_model, dummy_probe_config
+    from guardrail.testing.timing import requests_of
 
     cases = [tuple(int(x) for x in case.split("x")) for case in args.cases]
     model = args.model or str(build_dummy_model(args.shape, args.cache))

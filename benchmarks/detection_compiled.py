@@ -1,0 +1,142 @@
+"""The shipped combined probe in eager and in compiled mode, on the transfer benchmark's test sets.
+
+A compiled engine reads the hidden state through stream taps and a worker-kept data-mean memo
+(docs/compiled-hidden.md), an eager one through forward hooks. This script serves the test sets
+of the transfer table (the hand-written requests in five layouts, AgentDojo tool outputs and,
+with ``--bipia-dir``, the held-out BIPIA split) through both engines of the embedded SmolLM2
+with the shipped ``combined`` config, one after the other, and reports per set and mode the
+AUROC, the clean rows flagged and the injections caught at the config's threshold, and the
+largest focus difference between the modes, row by row. No fit happens here.
+
+    python benchmarks/detection_compiled.py [--bipia-dir ../shared/data/bipia] [--limit N]
+
+Writes benchmarks/results/detection_compiled_smollm2.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from guardrail.embedded import embedded_model_path
+from guardrail.offline.evaluation import auroc, markdown_table
+from guardrail.offline.layouts import request_for
+from guardrail.offline.transfer_eval import test_sets, transfer_rows
+from guardrail.probe.config import load_model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("eager", "compiled")
+BATCH = 32
+
+
+def serve(mode: str, rows: list[Any], config: Any) -> tuple[np.ndarray, list[str | None], float]:
+    """Each row's focus (NaN where it was not scored) and error, from one engine in ``mode``."""
+    from guardrail.engine import HookedLLM
+
+    started = time.perf_counter()
+    engine = HookedLLM(
+        str(embedded_model_path()),
+        config,
+        dtype="float32",
+        enforce_eager=mode == "eager",
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        seed=0,
+    )
+    print(f"{mode} engine up in {time.perf_counter() - started:.0f} s")
+    focus = np.full(len(rows), np.nan)
+    errors: list[str | None] = [None] * len(rows)
+    try:
+        for lo in tqdm(range(0, len(rows), BATCH), desc=mode, unit="batch"):
+            chunk = rows[lo : lo + BATCH]
+            for i, out in enumerate(engine.score([request_for(p) for p in chunk]), start=lo):
+                probe = out.probe
+                if out.error is None and probe is not None and probe.focus is not None:
+                    focus[i] = probe.focus
+                else:
+                    errors[i] = str(out.error or (probe.error if probe else "no probe result"))
+    finally:
+        engine.close()
+    return focus, errors, time.perf_counter() - started
+
+
+def measure(labels: np.ndarray, focus: np.ndarray, threshold: float) -> dict[str, Any]:
+    ok = np.isfinite(focus)
+    y, f = labels[ok], focus[ok]
+    flagged = f <= threshold
+    return {
+        "rows": len(labels),
+        "scored": int(ok.sum()),
+        "auroc": auroc(y, -f),
+        "clean_flagged": float(flagged[y == 0].mean()) if (y == 0).any() else float("nan"),
+        "injections_caught": float(flagged[y == 1].mean()) if (y == 1).any() else float("nan"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bipia-dir", type=Path, help="BIPIA's files: adds the held-out split")
+    parser.add_argument("--limit", type=int, help="at most this many rows per set (a quick run)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+    config = load_model_config(str(embedded_model_path()), "combined")
+    assert config.threshold is not None
+    threshold = float(config.threshold)
+    split = ROOT / "docs" / "bipia_heldout_split.json"
+    tests = test_sets(ROOT / "benchmarks" / "data", split, args.bipia_dir)
+    rows = [p for p in transfer_rows(tests) if p.extra.get("role") == "test"]
+    if args.limit:  # the first rows of each set
+        seen: dict[str, int] = {}
+        limited = []
+        for p in rows:
+            seen[p.extra["corpus"]] = seen.get(p.extra["corpus"], 0) + 1
+            if seen[p.extra["corpus"]] <= args.limit:
+                limited.append(p)
+        rows = limited
+    sets = sorted({p.extra["corpus"] for p in rows})
+    labels = np.array([p.label for p in rows])
+    served = {mode: serve(mode, rows, config) for mode in MODES}
+    focus = {mode: served[mode][0] for mode in MODES}
+    both = np.isfinite(focus["eager"]) & np.isfinite(focus["compiled"])
+    result: dict[str, Any] = {
+        "config": config.source,
+        "threshold": config.threshold,
+        "seconds": {mode: round(served[mode][2], 1) for mode in MODES},
+        "errors": {mode: sorted({e for e in served[mode][1] if e}) for mode in MODES},
+        "max_focus_difference": float(np.max(np.abs(focus["eager"] - focus["compiled"])[both])),
+        "sets": {},
+    }
+    table: dict[str, dict[str, Any]] = {}
+    for name in sets:
+        member = np.array([p.extra["corpus"] == name for p in rows])
+        cells = {mode: measure(labels[member], focus[mode][member], threshold) for mode in MODES}
+        result["sets"][name] = cells
+        diff = np.abs(focus["eager"][member & both] - focus["compiled"][member & both])
+        table[name] = {"rows": str(cells["eager"]["rows"]), "max focus diff": f"{diff.max():.1e}"}
+        for mode in MODES:
+            table[name][f"AUROC {mode}"] = f"{cells[mode]['auroc']:.3f}"
+            table[name][f"clean flagged {mode}"] = f"{100 * cells[mode]['clean_flagged']:.1f} %"
+            table[name][f"caught {mode}"] = f"{100 * cells[mode]['injections_caught']:.1f} %"
+    columns = ["rows"] + [
+        f"{what} {mode}" for what in ("AUROC", "clean flagged", "caught") for mode in MODES
+    ]
+    columns.append("max focus diff")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "detection_compiled_smollm2.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = markdown_table(table, columns)
+    (args.out / "detection_compiled_smollm2.md").write_text(text + "\n")
+    print(text)
+    print(f"largest focus difference eager vs compiled: {result['max_focus_difference']:.2e}")
+
+
+if __name__ == "__main__":
+    main()

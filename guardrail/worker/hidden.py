@@ -34,8 +34,10 @@ Python forward hooks added after start run only in eager mode. In compiled mode 
 through its stream tap, a hook vLLM's worker put on it at model load, before compiling, which
 calls the ``guardrail::read_stream`` op (``guardrail.worker.taps``,
 ``guardrail.worker.stream_op``): the same reader as the eager hook, called with the same
-tensors. A compiled engine whose layers are not tapped (a GPU engine: docs/compiled-hidden.md)
-refuses a config with a hidden part. With tensor parallelism the stream between layers is the
+tensors. There the worker, not the reader, keeps the data-mean memo (``MemoWriter``), whose
+tensor operations CUDA graphs capture, so decode steps replayed as full graphs write it too. A
+compiled engine whose layers are not tapped refuses a config with a hidden part
+(docs/compiled-hidden.md). With tensor parallelism the stream between layers is the
 same on every rank; with pipeline parallelism each stage reads the layers it holds.
 """
 

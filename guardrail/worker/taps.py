@@ -20,6 +20,7 @@ to them (``guardrail.worker.hidden.install_hidden``), apart from the memo writes
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -114,4 +115,5 @@ def install_memos(runner: Any) -> list[int]:
         memo = torch.full((slots + 1,), float("nan"), device=runner.device)
         writer = MemoWriter(index, Readout.of(readouts[index], runner.device), memo)
         MEMOS.connect(engine, index, writer)
+        weakref.finalize(runner, MEMOS.disconnect, engine, index)  # dropped with the engine
     return sorted(held)

@@ -5,6 +5,7 @@ taps, and a missing hidden term failing its row."""
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 from typing import Any
 
@@ -176,12 +177,16 @@ def test_the_op_joins_the_splitting_ops_vllm_settled_on() -> None:
     assert none.compilation_config.splitting_ops == []
 
 
+class Runner(SimpleNamespace):
+    """A model runner's attributes (a subclass: weakly referable, as vLLM's runner is)."""
+
+
 def memo_runner(spec: dict[str, Any], layers: int = 4, blocks: int = 3) -> Any:
     model = Tiny()
     model.layers.extend(Layer() for _ in range(layers - 3))
     for i in range(layers):
         model.layers[i].register_forward_hook(make_tap(i))
-    return SimpleNamespace(
+    return Runner(
         vllm_config=SimpleNamespace(
             additional_config={STREAM_TAPS_KEY: list(range(layers)), STREAM_MEMOS_KEY: spec},
             cache_config=SimpleNamespace(block_size=4),
@@ -237,6 +242,9 @@ def test_the_worker_keeps_each_data_mean_memo_and_the_op_writes_it_in_every_step
         with override_forward_context(SimpleNamespace(no_compile_layers=engine, attn_metadata=bad)):  # type: ignore[arg-type]
             torch.ops.guardrail.read_stream(hidden, residual, 2)
         assert torch.isnan(writer.memo).all()  # poisoned: every data-mean term fails its row
+        del runner, probe_runner, writer
+        gc.collect()
+        assert MEMOS.reader(engine, 2) is None  # the memo goes with its engine's runner
     finally:
         MEMOS.disconnect(engine, 2)
 

@@ -76,10 +76,12 @@ class HookedLLM(HookedBase):
     the model; ``probe_heads`` overrides which heads are scored ("all" scores every head of
     every layer, for calibration); ``probe_hidden_layers`` names decoder layers whose whole
     residual stream at the last prompt token each result carries (``ProbeResult.hidden_states``,
-    for calibration; like a config with a hidden-state part, it needs ``enforce_eager=True``
-    except on a CPU, where compiled engines read it too: docs/compiled-hidden.md), and
+    for calibration; compiled CPU and CUDA engines read it through stream taps, like a config's
+    hidden-state part: docs/compiled-hidden.md), and
     ``probe_data_mean_layers`` those whose stream averaged over the data tokens it carries
-    (``ProbeResult.data_mean_states``; costs ``hidden_size`` float32 per KV slot per layer).
+    (``ProbeResult.data_mean_states``; costs ``hidden_size`` float32 per KV slot per layer; in
+    a compiled CUDA engine it is written in piecewise steps only, so it covers prompt tokens,
+    not decoded ones).
     Other keyword arguments go to ``vllm.LLM`` unchanged.
     Steering (``load_steering_vector``, ``generate(steering=...)``) needs ``enforce_eager=True``.
 

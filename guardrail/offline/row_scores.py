@@ -86,7 +86,7 @@ def open_engine(model: str, heads: Sequence[HeadKey] | str, settings: ScoringSet
     # Only head_stats are used; the model path as id keeps the served-model check quiet.
     placeholder = ModelProbeConfig(model_id=str(model), heads=first)
     engine_kwargs: dict[str, Any] = {
-        "enforce_eager": True,  # fast start; on GPU the hidden read-outs need eager mode
+        "enforce_eager": True,  # fast start, no compilation for a scoring pass
         "max_model_len": settings.max_model_len,
         "seed": settings.seed,
         "max_num_batched_tokens": settings.max_num_batched_tokens,

@@ -61,6 +61,7 @@ def run_shape(
         "gpu_memory_utilization": args.memory,
         "seed": 0,
         "enforce_eager": mode == "eager",
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     guarded = HookedLLM(model, dummy_probe_config(shape, kind), **engine_args)
     engines: dict[str, Any] = {"guarded": guarded, "plain": LLM(model, **engine_args)}
@@ -131,6 +132,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory", type=float, default=0.3, help="GPU memory share per engine")
     parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="GPUs per engine (both engines)"
+    )
+    parser.add_argument(
         "--plain-text",
         action="store_true",
         help="an arm where the plain engine gets each prompt as rendered text (vLLM tokenizes "
@@ -157,6 +161,7 @@ def main() -> None:
         "torch": torch.__version__,
         "guardrail": getattr(guardrail, "__version__", "dev"),
         "repeats": args.repeats,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "commit": os.environ.get("GUARDRAIL_COMMIT", "unknown"),  # the tree has no .git there
     }
     rows: list[dict[str, Any]] = []

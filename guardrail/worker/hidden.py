@@ -61,8 +61,10 @@ __all__ = [
     "MemoWriter",
     "Readout",
     "install_hidden",
+    "kv_slots",
     "make_hidden_hook",
     "make_hidden_read",
+    "new_memo",
     "write_memo",
 ]
 
@@ -98,6 +100,13 @@ def _whole_stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.
     return (hidden if residual is None else hidden + residual).float()
 
 
+def new_memo(slots: int, device: Any, width: int | None = None) -> torch.Tensor:
+    """A memo of ``slots`` KV slots (one float32, or ``width``, each) plus the spare entry
+    ``write_memo`` sends padded tokens to; NaN until a slot is written."""
+    shape = (slots + 1,) if width is None else (slots + 1, width)
+    return torch.full(shape, float("nan"), device=device)
+
+
 def write_memo(
     memo: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -127,9 +136,8 @@ class MemoWriter:
     whatever graph runs it, and the probe reads it (``HiddenReader.read``). A write that fails
     poisons the memo (NaN): every data-mean term then fails its row, never a stale mean."""
 
-    layer: int
     readout: Readout
-    memo: torch.Tensor  # [slots + 1] float32, NaN until a slot is written
+    memo: torch.Tensor  # [slots + 1] float32 (``new_memo``)
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         from vllm.forward_context import get_forward_context
@@ -145,10 +153,8 @@ class MemoWriter:
     def matches(self, readout: Readout) -> bool:
         """Whether ``readout`` projects on the same coordinates and coefficients."""
         mine = self.readout
-        return bool(
-            mine.dims.shape == readout.dims.shape
-            and torch.equal(mine.dims.cpu(), readout.dims.cpu())
-            and torch.equal(mine.coef.cpu(), readout.coef.cpu())
+        return torch.equal(mine.dims.cpu(), readout.dims.cpu()) and torch.equal(
+            mine.coef.cpu(), readout.coef.cpu()
         )
 
 
@@ -259,7 +265,7 @@ def _connect(probe: Any, reader: HiddenReader, runner: Any, layer: Any, tapped: 
     return layer.register_forward_hook(make_hidden_hook(probe, reader, runner))
 
 
-def _kv_slots(runner: Any, info: dict[str, Any]) -> int:
+def kv_slots(runner: Any) -> int:
     """How many token slots the engine's paged KV cache has (num_blocks x block_size)."""
     config = getattr(runner, "kv_cache_config", None)
     num_blocks = getattr(config, "num_blocks", None)
@@ -268,7 +274,7 @@ def _kv_slots(runner: Any, info: dict[str, Any]) -> int:
             "the data-mean hidden-state read-out needs the KV cache's size, and this runner "
             "has no kv_cache_config.num_blocks; use a 'last'-position config"
         )
-    return int(num_blocks) * int(info["block_size"])
+    return int(num_blocks) * int(runner.vllm_config.cache_config.block_size)
 
 
 def install_hidden(
@@ -314,7 +320,7 @@ def install_hidden(
             "the data-mean hidden-state read-out cannot run with a KV connector: KV blocks "
             "loaded from elsewhere bring no residual streams; use a 'last'-position config"
         )
-    slots = _kv_slots(runner, info) if needs_memo else 0
+    slots = kv_slots(runner) if needs_memo else 0
     device = runner.device
     _check_raw_memo_fits(len(raw_mean_layers), slots, info, device, runner)
     for index in held:
@@ -327,10 +333,9 @@ def install_hidden(
                 if index in tapped:  # the worker writes it, also inside captured graphs
                     reader.memo, reader.worker_memo = _worker_memo(runner, reader.mean, index), True
                 else:
-                    reader.memo = torch.full((slots + 1,), float("nan"), device=device)
+                    reader.memo = new_memo(slots, device)
         if index in raw_mean_layers:
-            size = (slots + 1, info["hidden_size"])
-            reader.raw_memo = torch.full(size, float("nan"), device=device)
+            reader.raw_memo = new_memo(slots, device, info["hidden_size"])
         reader.handle = _connect(probe, reader, runner, layers[index], index in tapped)
         probe.hidden[index] = reader
     probe.needs_data_slots = any(r.remembers for r in probe.hidden.values())

@@ -23,12 +23,10 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
-
 from guardrail.probe.config import HiddenLayerProbe
 from guardrail.protocol import STREAM_MEMOS_KEY, STREAM_OP, STREAM_TAPS_KEY
 from guardrail.worker.forward import decoder_layers
-from guardrail.worker.hidden import MemoWriter, Readout
+from guardrail.worker.hidden import MemoWriter, Readout, kv_slots, new_memo
 from guardrail.worker.stream_op import MEMOS, make_tap, tapped_layers
 
 __all__ = ["install_memos", "install_taps", "memo_readouts", "split_at_stream_op", "tap_layers"]
@@ -106,14 +104,11 @@ def install_memos(runner: Any) -> list[int]:
     ]
     if missing:
         raise ValueError(f"{STREAM_MEMOS_KEY} names decoder layers {missing}, which are not tapped")
-    num_blocks = getattr(getattr(runner, "kv_cache_config", None), "num_blocks", None)
-    if not num_blocks:
-        raise ValueError("the data-mean memo needs the KV cache's size: no kv_cache_config yet")
-    slots = int(num_blocks) * int(runner.vllm_config.cache_config.block_size)
+    slots = kv_slots(runner)
     engine = runner.vllm_config.compilation_config.static_forward_context
     for index in held:
-        memo = torch.full((slots + 1,), float("nan"), device=runner.device)
-        writer = MemoWriter(index, Readout.of(readouts[index], runner.device), memo)
+        memo = new_memo(slots, runner.device)
+        writer = MemoWriter(Readout.of(readouts[index], runner.device), memo)
         MEMOS.connect(engine, index, writer)
         weakref.finalize(runner, MEMOS.disconnect, engine, index)  # dropped with the engine
     return sorted(held)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from guardrail.probe.config import HiddenLayerProbe
-from guardrail.worker.hidden import MemoWriter, Readout
+from guardrail.worker.hidden import MemoWriter, Readout, new_memo
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -29,11 +29,7 @@ def test_a_captured_memo_write_replays_with_each_steps_slots_and_stream():
         position="data_mean",
     )
     slots_total, tokens = 4096, 32
-    writer = MemoWriter(
-        0,
-        Readout.of(part, "cuda"),
-        torch.full((slots_total + 1,), float("nan"), device="cuda"),
-    )
+    writer = MemoWriter(Readout.of(part, "cuda"), new_memo(slots_total, "cuda"))
     hidden = torch.zeros(tokens, 256, device="cuda", dtype=torch.bfloat16)  # static inputs
     residual = torch.zeros_like(hidden)
     slot_buffer = torch.full((tokens,), -1, device="cuda", dtype=torch.long)
@@ -48,7 +44,7 @@ def test_a_captured_memo_write_replays_with_each_steps_slots_and_stream():
     torch.cuda.current_stream().wait_stream(stream)
     writer.memo.fill_(float("nan"))
     reference = torch.full_like(writer.memo, float("nan"))
-    eager = MemoWriter(0, writer.readout, reference)
+    eager = MemoWriter(writer.readout, reference)
     for step in range(5):
         used = tokens - 7 * (step % 3)  # padded tail: slot -1
         slots = torch.randperm(slots_total, device="cuda")[:used]

@@ -164,7 +164,7 @@ def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir, eager):
     the piecewise CUDA graphs, the data-mean memo kept by the worker)."""
     import numpy as np
 
-    from tests.engine.test_hidden_state import hf_streams
+    from tests.engine.test_hidden_state import expected_terms, hf_streams
 
     config = tiny_hidden_config(hidden_size=SHAPE["hidden_size"])
     engine = _engine(
@@ -194,14 +194,9 @@ def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir, eager):
                 for got, want in pairs:
                     error = np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want)
                     worst_stream = max(worst_stream, float(error))
-            want_terms: dict[int, float] = {}
-            for part in config.hidden:
-                stream = last[part.layer] if part.position == "last" else mean.get(part.layer)
-                term = part.project(stream) if stream is not None else 0.0
-                want_terms[part.layer] = want_terms.get(part.layer, 0.0) + term
-            for layer, want in want_terms.items():
-                scale = max(1.0, abs(want))
-                worst_term = max(worst_term, abs(probe.hidden[layer] - want) / scale)
+            want_terms = expected_terms(config, last, mean)
+            assert sorted(probe.hidden) == sorted(want_terms)
+            worst_term = max(worst_term, _term_error(probe.hidden, want_terms))
         mode = "eager" if eager else "compiled"
         print(f"gpu hidden parity ({mode}): stream {worst_stream:.2e}, term {worst_term:.2e}")
         assert worst_stream <= FP16_STREAM_TOL
@@ -224,6 +219,11 @@ def test_calibration_memo_too_large_is_refused_with_the_fix(fp16_llama_dir):
             gpu_memory_utilization=0.85,
         )
     assert "data-mean read-outs of 4 layers" in str(refused.value)
+
+
+def _term_error(got: dict[int, float], want: dict[int, float]) -> float:
+    """Largest error of the terms ``got`` against ``want``, relative to terms above 1."""
+    return max(abs(got[layer] - term) / max(1.0, abs(term)) for layer, term in want.items())
 
 
 def _hf_terms(model_dir: Path, config, out) -> dict[int, float]:  # type: ignore[no-untyped-def]
@@ -253,10 +253,7 @@ def test_compiled_data_mean_memo_is_written_inside_full_cuda_graphs(fp16_llama_d
             assert out.probe.error is None, out.probe.error
             want = _hf_terms(fp16_llama_dir, config, out)
             assert sorted(out.probe.hidden) == sorted(want)
-            worst[eager] = max(
-                abs(out.probe.hidden[layer] - term) / max(1.0, abs(term))
-                for layer, term in want.items()
-            )
+            worst[eager] = _term_error(out.probe.hidden, want)
         finally:
             engine.close()
     print(

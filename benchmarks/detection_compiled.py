@@ -26,8 +26,9 @@ import numpy as np
 from tqdm import tqdm
 
 from guardrail.embedded import embedded_model_path
-from guardrail.offline.evaluation import auroc, markdown_table
+from guardrail.offline.evaluation import markdown_table
 from guardrail.offline.layouts import request_for
+from guardrail.offline.transfer import measure
 from guardrail.offline.transfer_eval import test_sets, transfer_rows
 from guardrail.probe.config import load_model_config
 
@@ -67,17 +68,18 @@ def serve(mode: str, rows: list[Any], config: Any) -> tuple[np.ndarray, list[str
     return focus, errors, time.perf_counter() - started
 
 
-def measure(labels: np.ndarray, focus: np.ndarray, threshold: float) -> dict[str, Any]:
+def scored(labels: np.ndarray, focus: np.ndarray, threshold: float) -> dict[str, Any]:
+    """The library's ``measure`` of the rows that were scored, with the counts."""
     ok = np.isfinite(focus)
-    y, f = labels[ok], focus[ok]
-    flagged = f <= threshold
     return {
         "rows": len(labels),
         "scored": int(ok.sum()),
-        "auroc": auroc(y, -f),
-        "clean_flagged": float(flagged[y == 0].mean()) if (y == 0).any() else float("nan"),
-        "injections_caught": float(flagged[y == 1].mean()) if (y == 1).any() else float("nan"),
+        **measure(labels[ok], focus[ok], threshold),
     }
+
+
+def percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.1f} %"
 
 
 def main() -> None:
@@ -118,14 +120,15 @@ def main() -> None:
     table: dict[str, dict[str, Any]] = {}
     for name in sets:
         member = np.array([p.extra["corpus"] == name for p in rows])
-        cells = {mode: measure(labels[member], focus[mode][member], threshold) for mode in MODES}
+        cells = {mode: scored(labels[member], focus[mode][member], threshold) for mode in MODES}
         result["sets"][name] = cells
         diff = np.abs(focus["eager"][member & both] - focus["compiled"][member & both])
         table[name] = {"rows": str(cells["eager"]["rows"]), "max focus diff": f"{diff.max():.1e}"}
         for mode in MODES:
-            table[name][f"AUROC {mode}"] = f"{cells[mode]['auroc']:.3f}"
-            table[name][f"clean flagged {mode}"] = f"{100 * cells[mode]['clean_flagged']:.1f} %"
-            table[name][f"caught {mode}"] = f"{100 * cells[mode]['injections_caught']:.1f} %"
+            area = cells[mode]["auroc"]
+            table[name][f"AUROC {mode}"] = "n/a" if area is None else f"{area:.3f}"
+            table[name][f"clean flagged {mode}"] = percent(cells[mode]["flagged_clean"])
+            table[name][f"caught {mode}"] = percent(cells[mode]["caught"])
     columns = ["rows"] + [
         f"{what} {mode}" for what in ("AUROC", "clean flagged", "caught") for mode in MODES
     ]

@@ -73,9 +73,10 @@ stream a compiled engine's worker taps at model load (``guardrail.worker.taps``)
 ``additional_config`` into its compile-cache key, so a graph with taps never serves an engine
 without them, or with others."""
 STREAM_MEMOS_KEY = "guardrail_stream_memos"
-"""``LLM(additional_config={STREAM_MEMOS_KEY: {layer: read-out}})``: the data-mean read-outs
-(``HiddenLayerProbe`` as JSON) whose memo a compiled engine's worker keeps from before vLLM
-captures its CUDA graphs (``guardrail.worker.taps.install_memos``)."""
+"""``LLM(additional_config={STREAM_MEMOS_KEY: [read-out, ...]})``: the read-outs over the data
+tokens (``HiddenLayerProbe`` as JSON, positions ``data_mean`` and ``data_top``) whose memos a
+compiled engine's worker keeps from before vLLM captures its CUDA graphs
+(``guardrail.worker.taps.install_memos``)."""
 STREAM_TAP_WORKERS = {
     "cpu": "guardrail.worker.cpu_worker.GuardrailCPUWorker",
     "cuda": "guardrail.worker.gpu_worker.GuardrailGPUWorker",

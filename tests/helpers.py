@@ -145,7 +145,9 @@ def tiny_config(model_id: str = "tiny", threshold: float | None = 0.5):  # type:
 def tiny_hidden_config(hidden_size: int = 128):  # type: ignore[no-untyped-def]
     """A logistic probe over every head of tiny Llama plus random sparse read-outs of the
     hidden state (12 of its ``hidden_size`` coordinates each): at the last prompt token on
-    layers 1 and 2, averaged over the data tokens on layers 2 and 3 (layer 2 reads both)."""
+    layers 1 and 2, averaged over the data tokens on layers 2 and 3 (layer 2 reads both), and
+    the mean of the 3 highest per-token values over the data tokens on layer 3 (so layer 3
+    keeps two data memos)."""
     import numpy as np
 
     from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
@@ -160,8 +162,15 @@ def tiny_hidden_config(hidden_size: int = 128):  # type: ignore[no-untyped-def]
             scale=rng.uniform(0.5, 2.0, 12).tolist(),
             weights=rng.normal(0, 1.0, 12).tolist(),
             position=position,
+            top_k=3 if position == "data_top" else None,
         )
-        for layer, position in ((1, "last"), (2, "last"), (2, "data_mean"), (3, "data_mean"))
+        for layer, position in (
+            (1, "last"),
+            (2, "last"),
+            (2, "data_mean"),
+            (3, "data_mean"),
+            (3, "data_top"),
+        )
     ]
     return ModelProbeConfig(
         model_id="tiny",

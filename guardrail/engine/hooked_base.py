@@ -22,7 +22,7 @@ from guardrail.engine.client import ProbeClient
 from guardrail.engine.inbox import ResultInbox
 from guardrail.engine.install import check_served_model, heads_to_score
 from guardrail.errors import EngineNotGuardableError
-from guardrail.probe.config import ModelProbeConfig
+from guardrail.probe.config import DATA_POSITIONS, ModelProbeConfig
 from guardrail.probe.scoring import HeadKey
 from guardrail.protocol import NOT_GUARDABLE, ModelInfo
 
@@ -123,7 +123,9 @@ class HookedBase:
                 raw_hidden,
                 raw_means,
             ),
-            reset_prefix_cache=bool(raw_means or self.config.hidden_layers_at("data_mean")),
+            reset_prefix_cache=bool(
+                raw_means or any(self.config.hidden_layers_at(p) for p in DATA_POSITIONS)
+            ),
         )
         self.probe_heads = install.heads
         self.probe_hidden_layers = install.hidden_layers

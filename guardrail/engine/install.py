@@ -20,7 +20,7 @@ from typing import Any
 from guardrail.engine.engine_process import EngineHandle
 from guardrail.engine.types import GuardedOutput
 from guardrail.errors import ConfigError, EngineNotGuardableError
-from guardrail.probe.config import ModelProbeConfig, resolve_config
+from guardrail.probe.config import DATA_POSITIONS, ModelProbeConfig, resolve_config
 from guardrail.probe.scoring import HeadKey
 from guardrail.protocol import (
     STOP_PROCESSOR,
@@ -118,7 +118,7 @@ def stream_tap_arguments(
     """``arguments`` (the engine's start arguments, defaults filled in) plus, for a compiled
     engine that reads decoder layers (``config.hidden`` and ``raw_layers``, calibration's), on
     a device with a tapping worker (``STREAM_TAP_WORKERS``), that worker, the layers it taps
-    at model load and the config's data-mean read-outs, whose memos it keeps
+    at model load and the config's data read-outs, whose memos it keeps
     (``additional_config``, which vLLM hashes into its compile-cache key;
     docs/compiled-hidden.md). Any other engine's arguments come back unchanged: an eager
     engine reads through forward hooks, and a compiled one on another device refuses a hidden
@@ -144,7 +144,7 @@ def stream_tap_arguments(
     extra = dict(arguments.get("additional_config") or {})
     extra[STREAM_TAPS_KEY] = layers
     parts = config.hidden or []
-    memos = {str(p.layer): p.model_dump(mode="json") for p in parts if p.position == "data_mean"}
+    memos = [p.model_dump(mode="json") for p in parts if p.position in DATA_POSITIONS]
     if memos:  # kept by the worker from before CUDA graph capture
         extra[STREAM_MEMOS_KEY] = memos
     return {**arguments, "worker_cls": worker, "additional_config": extra}

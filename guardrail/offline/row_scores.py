@@ -336,6 +336,14 @@ def layers_read_by(configs: Sequence[ModelProbeConfig], position: HiddenPosition
 
 def _check_table_serves(config: ModelProbeConfig, table: ScoreTable) -> None:
     """A ConfigError unless ``table`` holds every head and hidden stream ``config`` reads."""
+    tops = config.hidden_layers_at("data_top")
+    if tops:
+        raise ConfigError(
+            f"config {config.model_id!r} reads layers {tops} at position 'data_top' (the data "
+            "tokens' highest values), which a score table cannot hold (it keeps one stream per "
+            "row): measure it through an engine serving it (`HookedLLM(model, config).score(...)` "
+            "gives each request's focus)"
+        )
     held_heads = set(table.heads)
     missing = [h for h in config.heads if h not in held_heads]
     if missing:

@@ -42,6 +42,7 @@ from guardrail.strict import (
 )
 
 __all__ = [
+    "DATA_POSITIONS",
     "EAGER_DEFAULT_VARIANT",
     "MAX_CONFIG_BYTES",
     "MAX_JSON_DEPTH",
@@ -60,9 +61,12 @@ __all__ = [
 ]
 
 ProbeKind = Literal["mean_focus", "logistic"]
-HiddenPosition = Literal["last", "data_mean"]
-"""Where a hidden-state read-out takes the residual stream: at the last prompt token, or
-averaged over the request's data tokens."""
+HiddenPosition = Literal["last", "data_mean", "data_top"]
+"""Where a hidden-state read-out takes the residual stream: at the last prompt token, averaged
+over the request's data tokens, or at the data tokens where the read-out is highest (the mean
+of its ``top_k`` largest values over the data tokens)."""
+DATA_POSITIONS: tuple[HiddenPosition, ...] = ("data_mean", "data_top")
+"""The positions read over the data tokens: the worker keeps a per-KV-slot memo for each."""
 
 MAX_CONFIG_BYTES = 10 * 1024 * 1024
 """Config files above this size are refused unread (the shipped ones are a few kB)."""
@@ -157,9 +161,12 @@ class HiddenLayerProbe(ConfigModel):
     ``x`` of size ``hidden_size`` at ``position``: ``"last"``, the last prompt token, or
     ``"data_mean"``, the stream averaged over the request's data tokens. It adds to the probe's
     logit ``sum(weights * (x[dims] - mean) / scale)``: a sparse linear read-out on standardised
-    coordinates (only the coordinates with a non-zero weight are stored). A layer may have one
-    read-out per position. A request without data tokens gets no ``data_mean`` term (0: there
-    is no untrusted text to read); its attention and last-token terms still score it.
+    coordinates (only the coordinates with a non-zero weight are stored). ``"data_top"`` reads
+    the same per data token and adds the mean of its ``top_k`` largest values (all of them when
+    the data has fewer tokens): a read-out made for single tokens, which a short injection
+    inside a long document moves where the mean would dilute it. A layer may have one read-out
+    per position. A request without data tokens gets no data term (0: there is no untrusted
+    text to read); its attention and last-token terms still score it.
 
     Example:
         >>> part = HiddenLayerProbe(layer=3, dims=[0, 7], mean=[0.1, -2.0], scale=[1.0, 4.0],
@@ -174,9 +181,15 @@ class HiddenLayerProbe(ConfigModel):
     scale: list[FiniteNumber]
     weights: list[FiniteNumber]
     position: HiddenPosition = "last"
+    top_k: WholeNumber | None = Field(default=None, ge=1)  # position "data_top" only
 
     @model_validator(mode="after")
     def _check(self) -> HiddenLayerProbe:
+        if (self.position == "data_top") != (self.top_k is not None):
+            raise ValueError(
+                f"hidden layer {self.layer}: top_k (how many of the data tokens' highest "
+                "values to average) goes with position 'data_top', and only with it"
+            )
         n = len(self.dims)
         if not len(self.mean) == len(self.scale) == len(self.weights) == n:
             raise ValueError(
@@ -196,6 +209,24 @@ class HiddenLayerProbe(ConfigModel):
         x = np.asarray(stream, dtype=np.float64)[self.dims]
         z = (x - np.asarray(self.mean)) / np.asarray(self.scale)
         return float(np.dot(z, np.asarray(self.weights)))
+
+    def project_data(self, streams: np.ndarray) -> float:
+        """The term of a data position for the data tokens' streams ``[tokens, hidden_size]``
+        (no tokens: 0), pooled as the position says.
+
+        Example:
+            >>> part = HiddenLayerProbe(layer=0, dims=[0], mean=[0.0], scale=[1.0],
+            ...                         weights=[1.0], position="data_top", top_k=2)
+            >>> part.project_data(np.array([[1.0], [5.0], [3.0]]))
+            4.0
+        """
+        if not len(streams):
+            return 0.0
+        values = np.sort([self.project(x) for x in np.asarray(streams)])[::-1]
+        if self.position == "data_top":
+            assert self.top_k is not None
+            return float(values[: self.top_k].mean())
+        return float(values.mean())
 
 
 class ModelProbeConfig(ConfigModel):

@@ -1,5 +1,5 @@
 """The hidden-state signal inside vLLM's worker: the residual stream at the last prompt token,
-and the stream averaged over the request's data tokens.
+and read-outs over the request's data tokens (their mean, or their highest values).
 
 A forward hook on each decoder layer the config reads (``ModelProbeConfig.hidden``) takes the
 layer's output stream (the layer returns ``(hidden, residual)``; the stream is their sum, before
@@ -23,6 +23,9 @@ scale)`` that is ``x[dims] @ (weights / scale) - sum(weights * mean / scale)``:
   180,000 cached tokens) and a gather-and-dot over the step's tokens. The memo starts as NaN: a
   slot never computed in this process (KV loaded by a connector, or cached before install; the
   clients reset the prefix cache at install) makes the term NaN, recorded as the row's error.
+- ``data_top``: the same per-token projections, from their own memo, pooled as the mean of
+  the ``top_k`` largest over the data tokens (``DataReadout``): a read-out made for single
+  tokens, which a short injection in a long document moves where the mean would dilute it.
 
 Layers asked for by calibration keep whole streams: ``raw_last`` returns the last token's, and
 a ``raw_memo`` (the whole stream per KV slot, ``hidden_size`` float32 each: calibration engines
@@ -45,19 +48,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
+from guardrail.probe.config import (
+    DATA_POSITIONS,
+    HiddenLayerProbe,
+    HiddenPosition,
+    ModelProbeConfig,
+)
 from guardrail.protocol import STREAM_MEMOS_KEY, STREAM_TAP_WORKERS, ProbeErrorReason
 from guardrail.worker.forward import decoder_layers, step_metadata
 from guardrail.worker.rows import StepRows
 from guardrail.worker.stream_op import MEMOS, READERS, tapped_layers
 
 __all__ = [
+    "DataReadout",
     "HiddenReader",
+    "LayerMemos",
     "MemoWriter",
     "Readout",
     "install_hidden",
@@ -159,30 +169,68 @@ class MemoWriter:
 
 
 @dataclass
+class LayerMemos:
+    """The memos the worker keeps for one tapped decoder layer, one per data position
+    (``DATA_POSITIONS``), each written by its own ``MemoWriter``: what the layer's op calls."""
+
+    writers: dict[str, MemoWriter]
+
+    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        for writer in self.writers.values():
+            writer(hidden, residual)
+
+
+@dataclass
+class DataReadout:
+    """A read-out over the request's data tokens and the memo of its per-token values (one
+    float32 per KV slot): ``data_mean`` averages them, ``data_top`` the ``top_k`` largest."""
+
+    position: HiddenPosition
+    readout: Readout
+    memo: torch.Tensor  # [slots + 1] (``new_memo``)
+    top_k: int = 1
+
+    def term(self, rows: StepRows) -> torch.Tensor:
+        """Every scored row's term [K], from the memo through the rows' KV slots (on the
+        device): 0 for a row without data; NaN where a data slot was never written."""
+        assert rows.data is not None and rows.slots is not None
+        count = rows.data.sum(1)  # [K] data tokens per row
+        values = self.memo[rows.slots]  # [K, T]
+        if self.position == "data_mean":
+            pooled = torch.where(rows.data, values, 0.0).sum(1) / count.clamp(min=1)
+        else:  # the mean of the k largest (NaN, a never-written slot, sorts above them all)
+            k = min(self.top_k, values.shape[1])
+            top = torch.where(rows.data, values, float("-inf")).topk(k, dim=1).values
+            taken = count.clamp(max=k)
+            kept = torch.arange(k, device=top.device) < taken[:, None]
+            pooled = torch.where(kept, top, 0.0).sum(1) / taken.clamp(min=1)
+        return torch.where(count > 0, pooled - self.readout.offset, 0.0)
+
+
+@dataclass
 class HiddenReader:
     """One decoder layer whose residual stream the probe reads."""
 
     index: int
     last: Readout | None = None  # the config's read-out at the last prompt token
-    mean: Readout | None = None  # the config's read-out of the data tokens' mean stream
+    data: list[DataReadout] = field(default_factory=list)  # the config's data read-outs
     raw_last: bool = False  # return the last token's whole stream (calibration)
-    memo: torch.Tensor | None = None  # [slots + 1]: each KV slot's projection on ``mean``
-    worker_memo: bool = False  # ``memo`` is a ``MemoWriter``'s: written by the worker's op
+    worker_memo: bool = False  # ``data``'s memos are ``MemoWriter``s': written by the worker's op
     raw_memo: torch.Tensor | None = None  # [slots + 1, hidden_size]: streams (raw_mean_layers)
     handle: Any = None  # RemovableHandle of the forward hook
 
     @property
     def remembers(self) -> bool:
-        return (self.memo is not None and not self.worker_memo) or self.raw_memo is not None
+        return (bool(self.data) and not self.worker_memo) or self.raw_memo is not None
 
     def remember(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, slot_mapping: torch.Tensor
     ) -> None:
-        """Write every computed token's projection (unless the worker's ``MemoWriter`` does)
+        """Write every computed token's projections (unless the worker's ``MemoWriter``s do)
         and whole stream at its KV slot."""
-        if self.memo is not None and not self.worker_memo:
-            assert self.mean is not None
-            write_memo(self.memo, slot_mapping, hidden, residual, self.mean.project)
+        if not self.worker_memo:
+            for part in self.data:
+                write_memo(part.memo, slot_mapping, hidden, residual, part.readout.project)
         if self.raw_memo is not None:
             write_memo(self.raw_memo, slot_mapping, hidden, residual, _whole_stream)
 
@@ -201,17 +249,13 @@ class HiddenReader:
                 term = self.last.project(last, None) - self.last.offset
             if self.raw_last:
                 rows.streams[self.index] = last.float()
-        if self.memo is not None or self.raw_memo is not None:
-            count = rows.data.sum(1)  # [K] data tokens per row
-            denominator = count.clamp(min=1)
-        if self.memo is not None:
-            assert self.mean is not None
-            values = torch.where(rows.data, self.memo[rows.slots], 0.0)  # never-written: NaN
-            mean = torch.where(count > 0, values.sum(1) / denominator - self.mean.offset, 0.0)
-            term = mean if term is None else term + mean  # no data: the read-out adds nothing
+        for part in self.data:  # no data: the read-out adds nothing; never written: NaN
+            pooled = part.term(rows)
+            term = pooled if term is None else term + pooled
         if term is not None:
             rows.terms[self.index] = term
         if self.raw_memo is not None:
+            denominator = rows.data.sum(1).clamp(min=1)
             streams = torch.where(rows.data[..., None], self.raw_memo[rows.slots], 0.0)
             rows.mean_streams[self.index] = streams.sum(1) / denominator[:, None]
 
@@ -314,7 +358,7 @@ def install_hidden(
                 f"hidden layer {part.layer} reads coordinate {max(part.dims)}, outside the "
                 f"model's hidden size {info['hidden_size']}"
             )
-    needs_memo = raw_mean_layers or any(p.position == "data_mean" for p in parts)
+    needs_memo = raw_mean_layers or any(p.position in DATA_POSITIONS for p in parts)
     if needs_memo and getattr(runner.vllm_config, "kv_transfer_config", None) is not None:
         raise ValueError(
             "the data-mean hidden-state read-out cannot run with a KV connector: KV blocks "
@@ -325,15 +369,18 @@ def install_hidden(
     _check_raw_memo_fits(len(raw_mean_layers), slots, info, device, runner)
     for index in held:
         reader = HiddenReader(index, raw_last=index in raw_layers)
+        reader.worker_memo = index in tapped  # the worker writes them, also in captured graphs
         for part in parts:
             if part.layer == index and part.position == "last":
                 reader.last = Readout.of(part, device)
             elif part.layer == index:
-                reader.mean = Readout.of(part, device)
-                if index in tapped:  # the worker writes it, also inside captured graphs
-                    reader.memo, reader.worker_memo = _worker_memo(runner, reader.mean, index), True
-                else:
-                    reader.memo = new_memo(slots, device)
+                readout = Readout.of(part, device)
+                memo = (
+                    _worker_memo(runner, readout, index, part.position)
+                    if reader.worker_memo
+                    else new_memo(slots, device)
+                )
+                reader.data.append(DataReadout(part.position, readout, memo, part.top_k or 1))
         if index in raw_mean_layers:
             reader.raw_memo = new_memo(slots, device, info["hidden_size"])
         reader.handle = _connect(probe, reader, runner, layers[index], index in tapped)
@@ -343,16 +390,18 @@ def install_hidden(
         probe.last_layer, probe.finish_on_hidden = max(probe.hidden), True
 
 
-def _worker_memo(runner: Any, readout: Readout, layer: int) -> torch.Tensor:
-    """The memo the worker keeps for tapped ``layer`` (``MemoWriter``), checked against the
-    probe's read-out: a compiled engine's data-mean read-outs are fixed when it starts."""
+def _worker_memo(runner: Any, readout: Readout, layer: int, position: str) -> torch.Tensor:
+    """The memo the worker keeps for ``position`` of tapped ``layer`` (``MemoWriter``),
+    checked against the probe's read-out: a compiled engine's data read-outs are fixed when it
+    starts."""
     engine = runner.vllm_config.compilation_config.static_forward_context
-    writer = MEMOS.reader(engine, layer)
-    if not isinstance(writer, MemoWriter) or not writer.matches(readout):
-        what = "no data-mean memo" if writer is None else "another data-mean read-out"
+    memos = MEMOS.reader(engine, layer)
+    writer = memos.writers.get(position) if isinstance(memos, LayerMemos) else None
+    if writer is None or not writer.matches(readout):
+        what = f"no {position} memo" if writer is None else f"another {position} read-out"
         raise ValueError(
             f"hidden layer {layer}: this compiled engine's worker keeps {what} for it; a "
-            "compiled engine's data-mean read-outs are fixed at start (additional_config "
+            "compiled engine's data read-outs are fixed at start (additional_config "
             f"{STREAM_MEMOS_KEY!r}): start the engine with this config, or with "
             "enforce_eager=True"
         )

@@ -154,9 +154,7 @@ class Probe:
         """Called once the layers are hooked: fixes the table layout and the device focus."""
         first = min(self.layers, default=min(self.hidden, default=0))
         self.fault_message = injected_fault_message(first)
-        self.term_layers = sorted(
-            i for i, r in self.hidden.items() if r.last is not None or r.mean is not None
-        )
+        self.term_layers = sorted(i for i, r in self.hidden.items() if r.last is not None or r.data)
         self.store.term_layers = self.term_layers
         self.head_order = [[layer, head] for layer, head in self.table_heads]
         column = 0

@@ -8,7 +8,7 @@ CUDA graphs, so the hidden-state read-outs run in compiled mode
 - ``split_at_stream_op`` (at model load, CUDA): the op joins vLLM's splitting ops, so under
   piecewise CUDA graphs it runs as Python between the captured pieces, like attention;
 - ``install_memos`` (after the KV cache is allocated, before CUDA graphs are captured): the
-  data-mean memo of each read-out under ``STREAM_MEMOS_KEY``, written by the op in every step
+  memo of each data read-out under ``STREAM_MEMOS_KEY``, written by the op in every step
   (``guardrail.worker.hidden.MemoWriter``), also inside full CUDA graphs.
 
 The workers that call them: ``guardrail.worker.cpu_worker`` and ``guardrail.worker.gpu_worker``
@@ -26,7 +26,7 @@ from typing import Any
 from guardrail.probe.config import HiddenLayerProbe
 from guardrail.protocol import STREAM_MEMOS_KEY, STREAM_OP, STREAM_TAPS_KEY
 from guardrail.worker.forward import decoder_layers
-from guardrail.worker.hidden import MemoWriter, Readout, kv_slots, new_memo
+from guardrail.worker.hidden import LayerMemos, MemoWriter, Readout, kv_slots, new_memo
 from guardrail.worker.stream_op import MEMOS, make_tap, tapped_layers
 
 __all__ = ["install_memos", "install_taps", "memo_readouts", "split_at_stream_op", "tap_layers"]
@@ -42,11 +42,14 @@ def tap_layers(vllm_config: Any) -> list[int]:
     return sorted({int(layer) for layer in _extra(vllm_config).get(STREAM_TAPS_KEY, [])})
 
 
-def memo_readouts(vllm_config: Any) -> dict[int, HiddenLayerProbe]:
-    """The data-mean read-outs whose memo the worker keeps, by decoder layer
+def memo_readouts(vllm_config: Any) -> dict[int, list[HiddenLayerProbe]]:
+    """The data read-outs whose memos the worker keeps, by decoder layer
     (``additional_config[STREAM_MEMOS_KEY]``)."""
-    spec = _extra(vllm_config).get(STREAM_MEMOS_KEY) or {}
-    return {int(layer): HiddenLayerProbe.model_validate(part) for layer, part in spec.items()}
+    by_layer: dict[int, list[HiddenLayerProbe]] = {}
+    for spec in _extra(vllm_config).get(STREAM_MEMOS_KEY) or []:
+        part = HiddenLayerProbe.model_validate(spec)
+        by_layer.setdefault(part.layer, []).append(part)
+    return by_layer
 
 
 def install_taps(runner: Any) -> list[int]:
@@ -86,10 +89,10 @@ def split_at_stream_op(vllm_config: Any) -> bool:
 
 
 def install_memos(runner: Any) -> list[int]:
-    """Make the data-mean memo of each read-out of ``memo_readouts`` (one float32 per KV slot,
-    plus a spare entry for padded tokens, NaN until written) and connect its writer to the
-    layer's tap: after the KV cache is allocated (its size), before vLLM captures CUDA graphs
-    (so the full graphs capture the writes). Returns the layers."""
+    """Make the memo of each data read-out of ``memo_readouts`` (one float32 per KV slot, plus
+    a spare entry for padded tokens, NaN until written) and connect the layer's writers to its
+    tap: after the KV cache is allocated (its size), before vLLM captures CUDA graphs (so the
+    full graphs capture the writes). Returns the layers."""
     readouts = memo_readouts(runner.vllm_config)
     if not readouts:
         return []
@@ -107,8 +110,12 @@ def install_memos(runner: Any) -> list[int]:
     slots = kv_slots(runner)
     engine = runner.vllm_config.compilation_config.static_forward_context
     for index in held:
-        memo = new_memo(slots, runner.device)
-        writer = MemoWriter(Readout.of(readouts[index], runner.device), memo)
-        MEMOS.connect(engine, index, writer)
+        writers: dict[str, MemoWriter] = {
+            part.position: MemoWriter(
+                Readout.of(part, runner.device), new_memo(slots, runner.device)
+            )
+            for part in readouts[index]
+        }
+        MEMOS.connect(engine, index, LayerMemos(writers))
         weakref.finalize(runner, MEMOS.disconnect, engine, index)  # dropped with the engine
     return sorted(held)

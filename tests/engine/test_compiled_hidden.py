@@ -68,7 +68,7 @@ def check_against_hf(engine: Any, model_dir: Path, outputs: list[Any]) -> None:
         assert out.error is None and probe is not None and probe.error is None, probe
         p = out.prompt
         spans = tuple(tuple(s) for s in p.data_spans)
-        last, mean = hf_streams(str(model_dir), tuple(p.token_ids), spans)
+        last, mean, data = hf_streams(str(model_dir), tuple(p.token_ids), spans)
         assert sorted(probe.hidden_states) == RAW_LAYERS
         assert sorted(probe.data_mean_states) == (RAW_LAYERS if mean else [])
         for layer in RAW_LAYERS:
@@ -78,7 +78,7 @@ def check_against_hf(engine: Any, model_dir: Path, outputs: list[Any]) -> None:
             if mean:
                 got = probe.data_mean_states[layer]
                 assert _deviation("data-mean stream", got, mean[layer]) <= STREAM_TOLERANCE
-        want = expected_terms(config, last, mean)
+        want = expected_terms(config, last, mean, data)
         assert sorted(probe.hidden) == sorted(want)
         for layer, term in want.items():
             assert _deviation(f"term layer {layer}", probe.hidden[layer], term) <= TERM_TOLERANCE

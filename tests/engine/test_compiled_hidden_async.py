@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.engine.test_async_engine import REQUESTS, _cancel_the_rest
-from tests.engine.test_hidden_state import hf_streams
+from tests.engine.test_hidden_state import expected_terms, hf_streams
 from tests.helpers import start_async_engine, tiny_hidden_config
 
 pytestmark = pytest.mark.slow
@@ -42,11 +42,5 @@ def test_a_compiled_async_engine_reads_the_hidden_terms_hf_gives(tiny_llama_dir:
         assert out.error is None and out.probe is not None and out.probe.error is None
         p = out.prompt
         spans = tuple(tuple(s) for s in p.data_spans)
-        last, mean = hf_streams(str(tiny_llama_dir), tuple(p.token_ids), spans)
-        want: dict[int, float] = {}
-        for part in config.hidden or []:
-            stream = last[part.layer] if part.position == "last" else mean.get(part.layer)
-            want[part.layer] = want.get(part.layer, 0.0) + (
-                part.project(stream) if stream is not None else 0.0
-            )
+        want = expected_terms(config, *hf_streams(str(tiny_llama_dir), tuple(p.token_ids), spans))
         assert out.probe.hidden == pytest.approx(want, abs=5e-6)

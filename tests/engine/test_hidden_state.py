@@ -38,10 +38,10 @@ def hf_streams(
     data_spans: tuple[tuple[int, int], ...],
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
-) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """The residual stream after each decoder layer (HF, float32): at the last token, and
-    averaged over the data tokens (no entry without data). Layer 3 is the model's last: HF
-    norms its output, so it is read from a model without the final norm."""
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """The residual stream after each decoder layer (HF, float32): at the last token, averaged
+    over the data tokens, and at each data token (no entry without data). Layer 3 is the
+    model's last: HF norms its output, so it is read from a model without the final norm."""
     model = _load(model_dir, dtype, device)
     norm, model.model.norm = model.model.norm, torch.nn.Identity()
     try:
@@ -54,22 +54,30 @@ def hf_streams(
     layers = range(len(out.hidden_states) - 1)
     last = {i: out.hidden_states[i + 1][0, -1].double().cpu().numpy() for i in layers}
     positions = [t for a, b in data_spans for t in range(a, b)]
-    mean = {
-        i: out.hidden_states[i + 1][0, positions].double().mean(0).cpu().numpy()
+    data = {
+        i: out.hidden_states[i + 1][0, positions].double().cpu().numpy()
         for i in layers
         if positions
     }
-    return last, mean
+    mean = {i: streams.mean(0) for i, streams in data.items()}
+    return last, mean, data
 
 
 def expected_terms(
-    config: ModelProbeConfig, last: dict[int, np.ndarray], mean: dict[int, np.ndarray]
+    config: ModelProbeConfig,
+    last: dict[int, np.ndarray],
+    mean: dict[int, np.ndarray],
+    data: dict[int, np.ndarray],
 ) -> dict[int, float]:
     """The config's hidden logit term per layer, from Hugging Face's streams (no data: 0)."""
     want: dict[int, float] = {}
     for part in config.hidden or []:
-        stream = last[part.layer] if part.position == "last" else mean.get(part.layer)
-        term = part.project(stream) if stream is not None else 0.0  # no data: no term
+        if part.position == "last":
+            term = part.project(last[part.layer])
+        elif part.position == "data_mean":
+            term = part.project(mean[part.layer]) if part.layer in mean else 0.0
+        else:
+            term = part.project_data(data.get(part.layer, np.empty((0, 0))))
         want[part.layer] = want.get(part.layer, 0.0) + term
     return want
 
@@ -78,7 +86,7 @@ def cached_and_chunked_passes(engine: Any) -> list[Any]:
     """The mixed batch twice: the first pass prefills in chunks, the second finds the prompts,
     data tokens included, in the prefix cache (so the memo supplies their streams); both
     passes' outputs."""
-    assert {p.position for p in engine.config.hidden} == {"last", "data_mean"}
+    assert {p.position for p in engine.config.hidden} == {"last", "data_mean", "data_top"}
     batch = mixed_batch()
     assert len(batch) >= 16
     first = engine.generate(batch, engine.sampling(max_tokens=2))
@@ -99,7 +107,7 @@ def check_against_hf(engine: Any, model_dir: Path, outputs: list[Any]) -> None:
         assert out.error is None and probe is not None and probe.error is None, probe
         p = out.prompt
         spans = tuple(tuple(s) for s in p.data_spans)
-        last, mean = hf_streams(str(model_dir), tuple(p.token_ids), spans)
+        last, mean, data = hf_streams(str(model_dir), tuple(p.token_ids), spans)
         assert sorted(probe.hidden_states) == RAW_LAYERS
         assert sorted(probe.data_mean_states) == (RAW_LAYERS if mean else [])
         for layer in RAW_LAYERS:
@@ -108,7 +116,7 @@ def check_against_hf(engine: Any, model_dir: Path, outputs: list[Any]) -> None:
             if mean:
                 got = np.asarray(probe.data_mean_states[layer])
                 np.testing.assert_allclose(got, mean[layer], atol=5e-5, rtol=1e-5)
-        want_terms = expected_terms(config, last, mean)
+        want_terms = expected_terms(config, last, mean, data)
         assert probe.hidden == pytest.approx(want_terms, abs=5e-5)
         stats = hf_head_stats(
             str(model_dir), p.token_ids, p.instruction_spans, p.data_spans, config.heads

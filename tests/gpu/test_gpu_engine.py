@@ -184,7 +184,7 @@ def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir, eager):
             probe, p = out.probe, out.prompt
             assert probe.error is None, probe.error
             spans = tuple(tuple(s) for s in p.data_spans)
-            last, mean = hf_streams(
+            last, mean, data = hf_streams(
                 str(fp16_llama_dir), tuple(p.token_ids), spans, torch.float16, "cuda"
             )
             for layer in (0, 1, 2):
@@ -194,7 +194,7 @@ def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir, eager):
                 for got, want in pairs:
                     error = np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want)
                     worst_stream = max(worst_stream, float(error))
-            want_terms = expected_terms(config, last, mean)
+            want_terms = expected_terms(config, last, mean, data)
             assert sorted(probe.hidden) == sorted(want_terms)
             worst_term = max(worst_term, _term_error(probe.hidden, want_terms))
         mode = "eager" if eager else "compiled"
@@ -231,8 +231,8 @@ def _hf_terms(model_dir: Path, config, out) -> dict[int, float]:  # type: ignore
 
     p = out.prompt
     spans = tuple(tuple(s) for s in p.data_spans)
-    last, mean = hf_streams(str(model_dir), tuple(p.token_ids), spans, torch.float16, "cuda")
-    return expected_terms(config, last, mean)
+    streams = hf_streams(str(model_dir), tuple(p.token_ids), spans, torch.float16, "cuda")
+    return expected_terms(config, *streams)
 
 
 def test_compiled_data_mean_memo_is_written_inside_full_cuda_graphs(fp16_llama_dir):

@@ -409,7 +409,23 @@ def _hidden(**overrides):
         ),
         (
             {"probe": "logistic", "weights": [0.0], "hidden": _hidden(position="first")},
-            "Input should be 'last' or 'data_mean'",
+            "Input should be 'last', 'data_mean' or 'data_top'",
+        ),
+        (
+            {"probe": "logistic", "weights": [0.0], "hidden": _hidden(position="data_top")},
+            "top_k .* goes with position 'data_top', and only with it",
+        ),
+        (
+            {"probe": "logistic", "weights": [0.0], "hidden": _hidden(top_k=3)},
+            "top_k .* goes with position 'data_top', and only with it",
+        ),
+        (
+            {
+                "probe": "logistic",
+                "weights": [0.0],
+                "hidden": _hidden(position="data_top", top_k=0),
+            },
+            "greater than or equal to 1",
         ),
         (
             {"probe": "logistic", "weights": [0.0], "hidden": _hidden(), "hidden_size": 4},

@@ -15,7 +15,7 @@ from vllm.forward_context import override_forward_context
 
 from guardrail.engine import install
 from guardrail.errors import ConfigError
-from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
+from guardrail.probe.config import DATA_POSITIONS, HiddenLayerProbe, ModelProbeConfig
 from guardrail.protocol import (
     STREAM_MEMOS_KEY,
     STREAM_OP,
@@ -23,7 +23,7 @@ from guardrail.protocol import (
     STREAM_TAPS_KEY,
     ProbeErrorReason,
 )
-from guardrail.worker.hidden import HiddenReader, MemoWriter, Readout, _check_compiled, _worker_memo
+from guardrail.worker.hidden import DataReadout, LayerMemos, Readout, _check_compiled, _worker_memo
 from guardrail.worker.probe import Probe, ProbeSettings
 from guardrail.worker.rows import FLAG_MESSAGES, NONFINITE, StepRows
 from guardrail.worker.stream_op import MEMOS, READERS, StreamReaders, make_tap, tapped_layers
@@ -181,7 +181,7 @@ class Runner(SimpleNamespace):
     """A model runner's attributes (a subclass: weakly referable, as vLLM's runner is)."""
 
 
-def memo_runner(spec: dict[str, Any], layers: int = 4, blocks: int = 3) -> Any:
+def memo_runner(spec: list[dict[str, Any]], layers: int = 4, blocks: int = 3) -> Any:
     model = Tiny()
     model.layers.extend(Layer() for _ in range(layers - 3))
     for i in range(layers):
@@ -198,10 +198,11 @@ def memo_runner(spec: dict[str, Any], layers: int = 4, blocks: int = 3) -> Any:
     )
 
 
-def test_the_worker_keeps_each_data_mean_memo_and_the_op_writes_it_in_every_step() -> None:
-    """The memo a compiled engine's worker makes before graph capture: one float per KV slot
-    plus the spare, NaN until written; the op writes each token's projection at its slot
-    (padded tokens, slot -1, to the spare) and the probe's reader finds it, same read-out only."""
+def test_the_worker_keeps_each_data_memo_and_the_op_writes_it_in_every_step() -> None:
+    """The memos a compiled engine's worker makes before graph capture, one per data read-out
+    of a layer: one float per KV slot plus the spare, NaN until written; the op writes each
+    token's projection at its slot (padded tokens, slot -1, to the spare) and the probe's
+    reader finds each by position, same read-out only."""
     part = HiddenLayerProbe(
         layer=2,
         dims=[1, 5],
@@ -210,14 +211,18 @@ def test_the_worker_keeps_each_data_mean_memo_and_the_op_writes_it_in_every_step
         weights=[1.0, -2.0],
         position="data_mean",
     )
-    runner = memo_runner({"2": part.model_dump(mode="json")})
-    assert memo_readouts(runner.vllm_config) == {2: part}
+    top = HiddenLayerProbe(
+        layer=2, dims=[3], mean=[0.0], scale=[2.0], weights=[1.0], position="data_top", top_k=2
+    )
+    runner = memo_runner([part.model_dump(mode="json"), top.model_dump(mode="json")])
+    assert memo_readouts(runner.vllm_config) == {2: [part, top]}
     assert install_memos(runner) == [2]
     engine = runner.vllm_config.compilation_config.static_forward_context
-    writer = MEMOS.reader(engine, 2)
+    memos = MEMOS.reader(engine, 2)
     try:
-        assert isinstance(writer, MemoWriter) and writer.memo.shape == (13,)
-        assert torch.isnan(writer.memo).all()
+        assert isinstance(memos, LayerMemos) and sorted(memos.writers) == ["data_mean", "data_top"]
+        writer, top_writer = memos.writers["data_mean"], memos.writers["data_top"]
+        assert writer.memo.shape == (13,) and torch.isnan(writer.memo).all()
         hidden, residual = torch.randn(4, 8), torch.randn(4, 8)
         slots = torch.tensor([7, 0, -1, 11])
         metadata = SimpleNamespace(slot_mapping=slots)
@@ -227,22 +232,27 @@ def test_the_worker_keeps_each_data_mean_memo_and_the_op_writes_it_in_every_step
         x = hidden + residual
         want = x[:, 1] * 0.5 + x[:, 5] * -0.5
         torch.testing.assert_close(writer.memo[[7, 0, 12, 11]], want)
+        torch.testing.assert_close(top_writer.memo[[7, 0, 12, 11]], x[:, 3] * 0.5)
         assert int(torch.isnan(writer.memo).sum()) == 13 - 4
         assert writer.matches(Readout.of(part, "cpu"))
         other = part.model_copy(update={"weights": [1.0, -1.0]})
         assert not writer.matches(Readout.of(other, "cpu"))
-        reader = HiddenReader(2, mean=Readout.of(part, "cpu"))
+        mean = Readout.of(part, "cpu")
         probe_runner = SimpleNamespace(vllm_config=runner.vllm_config)
-        assert _worker_memo(probe_runner, reader.mean, 2) is writer.memo  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match=r"another data-mean read-out.*enforce_eager"):
-            _worker_memo(probe_runner, Readout.of(other, "cpu"), 2)
-        with pytest.raises(ValueError, match="no data-mean memo"):
-            _worker_memo(probe_runner, reader.mean, 3)  # type: ignore[arg-type]
+        assert _worker_memo(probe_runner, mean, 2, "data_mean") is writer.memo
+        assert _worker_memo(probe_runner, Readout.of(top, "cpu"), 2, "data_top") is top_writer.memo
+        with pytest.raises(ValueError, match=r"another data_mean read-out.*enforce_eager"):
+            _worker_memo(probe_runner, Readout.of(other, "cpu"), 2, "data_mean")
+        with pytest.raises(ValueError, match="another data_top read-out"):
+            _worker_memo(probe_runner, mean, 2, "data_top")  # the mean's read-out, not the top's
+        with pytest.raises(ValueError, match="no data_mean memo"):
+            _worker_memo(probe_runner, mean, 3, "data_mean")
         bad = SimpleNamespace(slot_mapping=torch.tensor([0, 1, 2, 99]))  # outside the memo
         with override_forward_context(SimpleNamespace(no_compile_layers=engine, attn_metadata=bad)):  # type: ignore[arg-type]
             torch.ops.guardrail.read_stream(hidden, residual, 2)
-        assert torch.isnan(writer.memo).all()  # poisoned: every data-mean term fails its row
-        del runner, probe_runner, writer
+        assert torch.isnan(writer.memo).all()  # poisoned: every data term fails its row
+        assert torch.isnan(top_writer.memo).all()
+        del runner, probe_runner, memos, writer, top_writer
         gc.collect()
         assert MEMOS.reader(engine, 2) is None  # the memo goes with its engine's runner
     finally:
@@ -254,12 +264,12 @@ def test_install_memos_refuses_what_it_cannot_keep() -> None:
         layer=5, dims=[1], mean=[0.0], scale=[1.0], weights=[1.0], position="data_mean"
     )
     with pytest.raises(ValueError, match=r"layers \[5\], which are not tapped"):
-        install_memos(memo_runner({"5": part.model_dump(mode="json")}))
-    runner = memo_runner({"1": part.model_copy(update={"layer": 1}).model_dump(mode="json")})
+        install_memos(memo_runner([part.model_dump(mode="json")]))
+    runner = memo_runner([part.model_copy(update={"layer": 1}).model_dump(mode="json")])
     runner.kv_cache_config = None
     with pytest.raises(ValueError, match="KV cache's size"):
         install_memos(runner)
-    assert install_memos(memo_runner({})) == []
+    assert install_memos(memo_runner([])) == []
 
 
 # -- the worker's refusal, the engine's arguments --------------------------------------------
@@ -292,9 +302,13 @@ def test_stream_tap_arguments_ask_for_the_tapping_worker_only_where_it_exists(
         assert got["worker_cls"] == STREAM_TAP_WORKERS[device]
         memos = got["additional_config"].pop(STREAM_MEMOS_KEY)
         assert got["additional_config"] == {"user": 1, STREAM_TAPS_KEY: [0, 1, 2, 3]}
-        data_mean = [p for p in hidden.hidden or [] if p.position == "data_mean"]
-        assert memos == {str(p.layer): p.model_dump(mode="json") for p in data_mean}
-        assert sorted(memos) == ["2", "3"]
+        data = [p for p in hidden.hidden or [] if p.position in DATA_POSITIONS]
+        assert memos == [p.model_dump(mode="json") for p in data]
+        assert [(p["layer"], p["position"]) for p in memos] == [
+            (2, "data_mean"),
+            (3, "data_mean"),
+            (3, "data_top"),
+        ]
         assert compiled == {"enforce_eager": False, "additional_config": {"user": 1}}  # a copy
         with pytest.raises(ConfigError, match="worker_cls"):
             install.stream_tap_arguments({**compiled, "worker_cls": "my.Worker"}, hidden)
@@ -345,3 +359,32 @@ def test_a_missing_hidden_term_fails_the_row_never_drops_the_term() -> None:
         assert one[key]["error"] == FLAG_MESSAGES[NONFINITE]
         assert one[key]["reason"] == ProbeErrorReason.HIDDEN.value
         assert "hidden" not in one[key] and "stats" not in one[key]
+
+
+def test_a_data_top_term_is_the_mean_of_the_k_highest_data_values() -> None:
+    """``DataReadout.term``: over each row's data tokens only, the k highest values' mean
+    (all of them when fewer), minus the read-out's offset; 0 without data; a never-written
+    slot (NaN) makes the term NaN, so the row fails closed."""
+    part = HiddenLayerProbe(
+        layer=0, dims=[0], mean=[1.0], scale=[1.0], weights=[1.0], position="data_top", top_k=2
+    )
+    memo = torch.tensor([5.0, 1.0, 9.0, 3.0, 7.0, float("nan"), 0.0])
+    top = DataReadout("data_top", Readout.of(part, "cpu"), memo, top_k=2)
+    mean = DataReadout("data_mean", Readout.of(part, "cpu"), memo)
+    rows = SimpleNamespace(
+        slots=torch.tensor([[0, 1, 2, 3], [4, 1, 0, 0], [0, 1, 2, 3], [5, 4, 0, 0]]),
+        data=torch.tensor(
+            [
+                [False, True, True, True],  # values 1, 9, 3: top two 9 and 3
+                [True, False, False, False],  # one data token: 7
+                [False, False, False, False],  # no data
+                [True, True, False, False],  # a never-written slot among the data
+            ]
+        ),
+    )
+    got = top.term(rows)  # type: ignore[arg-type]
+    torch.testing.assert_close(got[:3], torch.tensor([6.0 - 1.0, 7.0 - 1.0, 0.0]))
+    assert torch.isnan(got[3])
+    got_mean = mean.term(rows)  # type: ignore[arg-type]
+    torch.testing.assert_close(got_mean[:3], torch.tensor([13 / 3 - 1.0, 6.0, 0.0]))
+    assert torch.isnan(got_mean[3])

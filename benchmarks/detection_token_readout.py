@@ -219,6 +219,24 @@ def shipped_focus(config: ModelProbeConfig, states: Any, streams: TokenStreams, 
     return config.focus_of_stats(states["stats"][i], terms)
 
 
+def fit_inputs(
+    config: ModelProbeConfig,
+    states: Any,
+    streams: TokenStreams,
+    rows: np.ndarray,
+    extra: np.ndarray | None,
+) -> tuple[np.ndarray, list[HeadKey], dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """What the combined fit reads for ``rows``: the heads' stats, the heads, the last-token
+    streams (and the pooled token score as one more column when ``extra`` is given), the
+    data-mean stream."""
+    hidden = {layer: states[f"last{layer}"][rows] for layer in LAST_LAYERS}
+    if extra is not None:
+        hidden[POOLED] = extra[:, None]
+    data_mean = {DATA_LAYER: np.stack([streams.row(i).mean(0) for i in rows])}
+    heads: list[HeadKey] = [(int(h[0]), int(h[1])) for h in config.heads]
+    return states["stats"][rows], heads, hidden, data_mean
+
+
 def fit_variant(
     config: ModelProbeConfig,
     states: Any,
@@ -228,29 +246,24 @@ def fit_variant(
     groups: list[str],
     extra: np.ndarray | None,
 ) -> Any:
-    """The combined fit on the pool's ``rows``, with the pooled token score as one more
-    column when ``extra`` is given."""
-    hidden = {layer: states[f"last{layer}"][rows] for layer in LAST_LAYERS}
-    if extra is not None:
-        hidden[POOLED] = extra[:, None]
-    data_mean = {DATA_LAYER: np.stack([streams.row(i).mean(0) for i in rows])}
-    heads: list[HeadKey] = [(int(h[0]), int(h[1])) for h in config.heads]
+    """The combined fit on the pool's ``rows`` (:func:`fit_inputs`)."""
+    stats, heads, hidden, data_mean = fit_inputs(config, states, streams, rows, extra)
     return fit_combined(
-        states["stats"][rows], heads, hidden, labels[rows], groups,
-        feature=config.feature, data_mean=data_mean,
-    )  # fmt: skip
+        stats, heads, hidden, labels[rows], groups, feature=config.feature, data_mean=data_mean
+    )
 
 
 def test_focus(
-    config: ModelProbeConfig, fit: Any, states: Any, streams: TokenStreams, rows: np.ndarray,
+    config: ModelProbeConfig,
+    fit: Any,
+    states: Any,
+    streams: TokenStreams,
+    rows: np.ndarray,
     extra: np.ndarray | None,
-) -> np.ndarray:  # fmt: skip
-    hidden = {layer: states[f"last{layer}"][rows] for layer in LAST_LAYERS}
-    if extra is not None:
-        hidden[POOLED] = extra[:, None]
-    data_mean = {DATA_LAYER: np.stack([streams.row(i).mean(0) for i in rows])}
-    heads: list[HeadKey] = [(int(h[0]), int(h[1])) for h in config.heads]
-    return combined_focus(fit, states["stats"][rows], heads, hidden, data_mean)
+) -> np.ndarray:
+    """The focus ``fit`` gives ``rows`` (:func:`fit_inputs`)."""
+    stats, heads, hidden, data_mean = fit_inputs(config, states, streams, rows, extra)
+    return combined_focus(fit, stats, heads, hidden, data_mean)
 
 
 COLUMNS = (

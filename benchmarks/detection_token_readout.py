@@ -94,7 +94,6 @@ def extract(rows: list[LabelledPair], config: ModelProbeConfig, model_dir: str) 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     full = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
@@ -316,6 +315,7 @@ def leave_one_source_out(
     labels: np.ndarray,
     masks: list,
     corpus: np.ndarray,
+    groups: np.ndarray,
     c: float,
     k: int,
 ) -> dict[str, dict[str, Any]]:
@@ -325,8 +325,8 @@ def leave_one_source_out(
     out: dict[str, dict[str, Any]] = {}
     for source in tqdm(sorted(set(corpus[pool])), desc="sources left out"):
         train, held = pool[corpus[pool] != source], pool[corpus[pool] == source]
-        groups = [str(states["groups"][i]) for i in train]
-        folds = group_folds(groups, FOLDS, 0)
+        train_groups = [str(g) for g in groups[train]]
+        folds = group_folds(train_groups, FOLDS, 0)
         oof = np.empty(len(train))
         for fold in np.unique(folds):
             model = fit_token_model(streams, train[folds != fold], labels, masks, c)
@@ -335,7 +335,13 @@ def leave_one_source_out(
         row: dict[str, Any] = {}
         for name, extra in (("refit", None), ("token", (oof, on_held[:, 0]))):
             fit = fit_variant(
-                config, states, streams, train, labels, groups, None if extra is None else extra[0]
+                config,
+                states,
+                streams,
+                train,
+                labels,
+                train_groups,
+                None if extra is None else extra[0],
             )
             threshold = worst_source_threshold(
                 fit.oof_focus, labels[train], list(corpus[train]), 0.01
@@ -410,9 +416,9 @@ def main() -> None:
         )
     chosen = max((n for n in fits if n != "refit"), key=lambda n: fits[n].cv_auroc)
     chosen_c, chosen_k = float(chosen.split("C=")[1].split()[0]), int(chosen.split("k=")[1])
-    states["groups"] = np.array([r.group for r in rows])
+    row_groups = np.array([r.group for r in rows])
     left_out = leave_one_source_out(
-        config, states, streams, pool, labels, masks, corpus, chosen_c, chosen_k
+        config, states, streams, pool, labels, masks, corpus, row_groups, chosen_c, chosen_k
     )
     sets = sorted(set(corpus[test]))
     for name in ["shipped", "refit", chosen, *(n for n in fits if n not in ("refit", chosen))]:

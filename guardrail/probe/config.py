@@ -222,10 +222,9 @@ class HiddenLayerProbe(ConfigModel):
         """
         if not len(streams):
             return 0.0
-        values = np.sort([self.project(x) for x in np.asarray(streams)])[::-1]
-        if self.position == "data_top":
-            assert self.top_k is not None
-            return float(values[: self.top_k].mean())
+        values = np.array([self.project(x) for x in np.asarray(streams)])
+        if self.position == "data_top":  # the top_k largest
+            values = np.sort(values)[::-1][: self.top_k]
         return float(values.mean())
 
 

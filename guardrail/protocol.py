@@ -139,6 +139,9 @@ class ProbeSpec(TypedDict):
     stop_on_error: NotRequired[bool]  # ... or when the probe could not score it
     stop_token: NotRequired[int]  # the token forced as its first (and only) output
     tag: NotRequired[str]  # the caller's call: pushed back with the result (``PushedResults``)
+    # calibration: prompt positions whose whole stream, at each layer the engine keeps whole
+    # streams of (``raw_data_mean_layers``), comes back in ``ProbeResultData.token_states``
+    stream_positions: NotRequired[list[int]]
 
 
 class SteerSpec(TypedDict):
@@ -190,6 +193,8 @@ class ProbeResultData(TypedDict):
     hidden: NotRequired[list[list[Any]]]  # [[layer, logit term], ...]: the config's hidden part
     hidden_states: NotRequired[list[list[Any]]]  # [[layer, float64 bytes], ...]: raw (calibration)
     data_mean_states: NotRequired[list[list[Any]]]  # the same, averaged over the data tokens
+    # [[layer, positions, float32 bytes [positions, hidden]], ...]: ``ProbeSpec.stream_positions``
+    token_states: NotRequired[list[list[Any]]]
     focus: NotRequired[float]  # computed in the worker when it decided an early stop
     stopped: NotRequired[bool]  # ended right after prefill
     tag: NotRequired[str]  # the request's ``ProbeSpec.tag``, when it had one

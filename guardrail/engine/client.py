@@ -193,9 +193,12 @@ class ProbeClient:
         stop_below: float | None = None,
         stop_on_error: bool = True,
         tag: str | None = None,
+        stream_positions: Sequence[int] | None = None,
     ) -> ProbeSpec:
         """The request's spec; with ``stop_below`` it also asks for an early stop. With
-        ``tag`` (the call's) its result is pushed to the caller (``guardrail.engine.inbox``)."""
+        ``tag`` (the call's) its result is pushed to the caller (``guardrail.engine.inbox``);
+        with ``stream_positions`` its streams at those prompt positions come back
+        (``ProbeResult.token_states``, calibration engines)."""
         spec: ProbeSpec = {
             "key": key,
             "instruction": [list(s) for s in prepared.instruction_spans],
@@ -204,6 +207,8 @@ class ProbeClient:
         }
         if tag is not None:
             spec["tag"] = tag
+        if stream_positions is not None:
+            spec["stream_positions"] = [int(p) for p in stream_positions]
         if stop_below is None:
             return spec
         if self.pp_size != 1:
@@ -238,6 +243,7 @@ class ProbeClient:
         hidden: dict[int, float] = {}
         streams: dict[int, tuple[float, ...]] = {}
         means: dict[int, tuple[float, ...]] = {}
+        tokens: dict[int, np.ndarray] = {}
         error: str | None = None
         reason: ProbeErrorReason | None = None
         num_prompt_tokens, seconds, stopped = 0, 0.0, False
@@ -263,6 +269,8 @@ class ProbeClient:
             hidden.update((int(layer), float(term)) for layer, term in found.get("hidden", []))
             streams.update((int(lay), _floats(x)) for lay, x in found.get("hidden_states", []))
             means.update((int(lay), _floats(x)) for lay, x in found.get("data_mean_states", []))
+            for lay, count, x in found.get("token_states", []):
+                tokens[int(lay)] = np.frombuffer(x, dtype=np.float32).reshape(int(count), -1)
         heads, scores = _head_tables(tables)
         if error is None and not heads:
             error = MISSING_SCORE
@@ -285,6 +293,7 @@ class ProbeClient:
             hidden=hidden,
             hidden_states=streams,
             data_mean_states=means,
+            token_states=tokens,
             error=error,
             error_reason=reason,
             num_prompt_tokens=num_prompt_tokens,

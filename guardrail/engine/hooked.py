@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from guardrail.embedded import model_or_embedded
-from guardrail.engine.client import PerRequestArgs, per_request_args
+from guardrail.engine.client import PerRequestArgs, per_request_args, request_count
 from guardrail.engine.engine_process import EngineHandle, abort_unfinished
 from guardrail.engine.hooked_base import HookedBase, refused_as_not_guardable
 from guardrail.engine.inbox import PUSH_WAIT_S, ResultInbox, no_push_args, pushed
@@ -217,6 +217,7 @@ class HookedLLM(HookedBase):
         probe_keys: Sequence[str | None] | None = None,
         steering: SteeringLike | Sequence[SteeringLike | None] | None = None,
         use_tqdm: bool = False,
+        stream_positions: Sequence[Sequence[int] | None] | None = None,
     ) -> list[GuardedOutput]:
         """Generate for each request with the probe on; one ``GuardedOutput`` per request, in order.
 
@@ -231,8 +232,13 @@ class HookedLLM(HookedBase):
         ``set_probe_faults`` at one request. ``steering`` (one value or one per request, None =
         unsteered) steers requests with a loaded vector; their output's ``steering`` report says
         how many positions were steered, or why steering failed. Raises ``EngineDeadError`` when
-        the engine dies (see the class docstring).
+        the engine dies (see the class docstring). ``stream_positions`` (calibration: one list
+        of prompt positions, or None, per request) returns each request's whole residual
+        streams at those positions, of every layer in ``probe_data_mean_layers``
+        (``probe.token_states``).
         """
+        if stream_positions is not None and len(stream_positions) != request_count(requests):
+            raise ConfigError("stream_positions needs one entry (a list or None) per request")
         args = per_request_args(
             requests,
             sampling_params,
@@ -243,7 +249,7 @@ class HookedLLM(HookedBase):
         )
         with self._engine_call() as llm:
             steer = self._steering_plan(steering, len(requests), args.errors)
-            return self._run(llm, requests, args, steer, use_tqdm)
+            return self._run(llm, requests, args, steer, use_tqdm, stream_positions)
 
     def _run(
         self,
@@ -252,6 +258,7 @@ class HookedLLM(HookedBase):
         args: PerRequestArgs,
         steer: list[ResolvedSteering | None],
         use_tqdm: bool,
+        positions: Sequence[Sequence[int] | None] | None = None,
     ) -> list[GuardedOutput]:
         outputs: list[GuardedOutput | None] = [None] * len(requests)
         batch = _Batch(tag=uuid.uuid4().hex)
@@ -260,7 +267,9 @@ class HookedLLM(HookedBase):
             # while the rest are rendered and tokenized (as vLLM's own generate does with text).
             # Measured on the H200 against larger chunks (docs/gpu.md): starting early wins.
             for group in _groups(len(requests), RENDER_GROUP):
-                prompts, group_params = self._group(requests, group, args, steer, outputs, batch)
+                prompts, group_params = self._group(
+                    requests, group, args, steer, outputs, batch, positions
+                )
                 if prompts:
                     llm.enqueue(prompts, group_params, use_tqdm=False)
             # in the order they were enqueued (vLLM sorts them by its request counter)
@@ -298,6 +307,7 @@ class HookedLLM(HookedBase):
         steer: list[ResolvedSteering | None],
         outputs: list[GuardedOutput | None],
         batch: _Batch,
+        positions: Sequence[Sequence[int] | None] | None = None,
     ) -> tuple[list[Any], list[Any]]:
         """Prepare one group of requests: its prompts and params to enqueue. A request that
         cannot be sent gets its error output here; the others are recorded in ``batch``."""
@@ -315,7 +325,13 @@ class HookedLLM(HookedBase):
                 key = args.probe_keys[i] or uuid.uuid4().hex
                 stop_below, on_error = args.stop_below[i], bool(args.stop_on_probe_error[i])
                 spec = self.probe.spec(
-                    prepared, key, args.params[i], stop_below, on_error, tag=batch.tag
+                    prepared,
+                    key,
+                    args.params[i],
+                    stop_below,
+                    on_error,
+                    tag=batch.tag,
+                    stream_positions=None if positions is None else positions[i],
                 )
             except GuardrailError as exc:  # this request alone fails
                 outputs[i] = GuardedOutput(index=i, prompt=None, error=exc)
@@ -343,9 +359,16 @@ class HookedLLM(HookedBase):
         if self._inbox is not None:
             self._inbox.drop(batch.tag)
 
-    def score(self, requests: Sequence[RequestLike]) -> list[GuardedOutput]:
-        """Run the probe alone: prefill plus one sampled token, no text worth reading."""
-        return self.generate(requests, self.sampling(max_tokens=1))
+    def score(
+        self,
+        requests: Sequence[RequestLike],
+        stream_positions: Sequence[Sequence[int] | None] | None = None,
+    ) -> list[GuardedOutput]:
+        """Run the probe alone: prefill plus one sampled token, no text worth reading
+        (``stream_positions``: see ``generate``)."""
+        return self.generate(
+            requests, self.sampling(max_tokens=1), stream_positions=stream_positions
+        )
 
     # -- per-request arguments -------------------------------------------------------------------
     def _steering_plan(

@@ -111,6 +111,9 @@ class ProbeResult:
     hidden: dict[int, float] = field(default_factory=dict)
     hidden_states: dict[int, tuple[float, ...]] = field(default_factory=dict)
     data_mean_states: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    # calibration: the whole streams at the prompt positions asked for (``stream_positions``),
+    # per layer whose whole streams the engine keeps: ``[positions, hidden_size]`` float32
+    token_states: dict[int, np.ndarray] = field(default_factory=dict)
     error: str | None = None
     error_reason: ProbeErrorReason | None = None  # set with ``error``
     num_prompt_tokens: int = 0

@@ -29,9 +29,10 @@ scale)`` that is ``x[dims] @ (weights / scale) - sum(weights * mean / scale)``:
 
 Layers asked for by calibration keep whole streams: ``raw_last`` returns the last token's, and
 a ``raw_memo`` (the whole stream per KV slot, ``hidden_size`` float32 each: calibration engines
-only) the data tokens' mean. The hooks share the attention probe's
-plan and rows (``guardrail.worker.probe.Probe``), so both signals come from the same pass and
-the same rows, and the step's results are stored once.
+only) the data tokens' mean, and the streams at the prompt positions a request asks for
+(``ProbeSpec.stream_positions``: what a token-level read-out is fitted on). The hooks share
+the attention probe's plan and rows (``guardrail.worker.probe.Probe``), so both signals come
+from the same pass and the same rows, and the step's results are stored once.
 
 Python forward hooks added after start run only in eager mode. In compiled mode a layer is read
 through its stream tap, a hook vLLM's worker put on it at model load, before compiling, which
@@ -258,6 +259,19 @@ class HiddenReader:
             denominator = rows.data.sum(1).clamp(min=1)
             streams = torch.where(rows.data[..., None], self.raw_memo[rows.slots], 0.0)
             rows.mean_streams[self.index] = streams.sum(1) / denominator[:, None]
+            self.read_positions(rows)
+
+    def read_positions(self, rows: StepRows) -> None:
+        """The whole streams at the prompt positions rows asked for (``stream_positions``),
+        from the raw memo, copied to the host: calibration engines only, so the copy's
+        synchronisation costs nothing that matters."""
+        assert self.raw_memo is not None and rows.slots is not None
+        for r, i in enumerate(rows.ok):
+            positions = rows.positions[i]
+            if positions:
+                at = torch.as_tensor(positions, dtype=torch.long, device=rows.slots.device)
+                states = self.raw_memo[rows.slots[r].index_select(0, at)]
+                rows.token_states.setdefault(self.index, {})[i] = states.float().cpu()
 
 
 def make_hidden_read(probe: Any, reader: HiddenReader, runner: Any) -> Any:

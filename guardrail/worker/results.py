@@ -147,6 +147,13 @@ class ResultStore:
             ]
             if means:
                 result["data_mean_states"] = means
+        states = [
+            [layer, len(by_row[i]), by_row[i].numpy().tobytes()]
+            for layer, by_row in sorted(rows.token_states.items())
+            if i in by_row
+        ]
+        if states:
+            result["token_states"] = states
 
     def _fill_stop(
         self, result: ProbeResultData, rows: StepRows, i: int, focus: float | None

@@ -70,6 +70,7 @@ class StepRows:
     stop_on_error: list[bool] = field(default_factory=list)
     stop_token: list[int | None] = field(default_factory=list)
     has_data: list[bool] = field(default_factory=list)
+    positions: list[list[int] | None] = field(default_factory=list)  # ``stream_positions``
     ok: list[int] = field(default_factory=list)
     token_rows: torch.Tensor | None = None  # [K] row of the last prompt token in the batch
     token_column: torch.Tensor | None = None  # [K, 1] the same, to index (row, head) pairs
@@ -90,6 +91,8 @@ class StepRows:
     terms: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K] logit term
     streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K, hidden]
     mean_streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K, hidden]
+    # layer -> {row (host index): [positions, hidden] float32 on the host} (``positions``)
+    token_states: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -139,6 +142,9 @@ def _spec_error(spec: ProbeSpec, n: int) -> str | None:
         for span in spec[name]:
             if len(span) != 2 or not 0 <= span[0] <= span[1] <= n:
                 return f"plan: ValueError: {name} span {span} outside the prompt's {n} tokens"
+    bad = [p for p in spec.get("stream_positions", []) if not 0 <= p < n]
+    if bad:
+        return f"plan: ValueError: stream positions {bad[:5]} outside the prompt's {n} tokens"
     return None
 
 
@@ -174,6 +180,7 @@ def plan_rows(
         token = spec.get("stop_token")
         rows.stop_token.append(None if token is None else int(token))
         rows.has_data.append(any(b > a for a, b in spec["data"]))
+        rows.positions.append(spec.get("stream_positions"))
         if error is None:
             rows.ok.append(len(rows.keys) - 1)
     if rows.ok:

@@ -211,3 +211,42 @@ def test_early_stop_uses_the_hidden_terms_like_the_caller(engine: Any) -> None:
     )
     assert above.probe.stopped and len(above.token_ids) <= 1
     assert not below.probe.stopped and len(below.token_ids) > 1
+
+
+def test_streams_at_asked_positions_equal_hf_from_chunks_and_the_prefix_cache(
+    engine: Any, tiny_llama_dir: Path
+) -> None:
+    """Calibration's token read-out is fitted on whole streams at chosen prompt positions
+    (``stream_positions``): for every request of the mixed batch, computed in chunks and then
+    served from the prefix cache, they equal Hugging Face's at those positions; a request
+    asking for a position outside its prompt fails alone."""
+    batch = mixed_batch()
+    prepared = [engine.prepare(r) for r in batch]
+    positions = [sorted({0, len(p.token_ids) // 2, len(p.token_ids) - 1}) for p in prepared]
+    bad = [*positions[:-1], [len(prepared[-1].token_ids)]]
+    first = engine.score(batch, stream_positions=positions)
+    second = engine.score(batch, stream_positions=bad)
+    assert sum(o.num_cached_tokens for o in second) > 0
+    assert "stream positions" in (second[-1].probe.error or "")
+    for out, at in [*zip(first, positions, strict=True), *zip(second[:-1], bad, strict=False)]:
+        assert out.probe.error is None, out.probe.error
+        streams = hf_all_streams(str(tiny_llama_dir), tuple(out.prompt.token_ids))
+        assert sorted(out.probe.token_states) == RAW_LAYERS
+        for layer in RAW_LAYERS:
+            got = out.probe.token_states[layer]
+            assert got.shape == (len(at), 128)
+            np.testing.assert_allclose(got, streams[layer][at], atol=5e-5, rtol=1e-5)
+    assert all(not o.probe.token_states for o in engine.score(batch[:2]))
+
+
+@lru_cache(maxsize=64)
+def hf_all_streams(model_dir: str, token_ids: tuple[int, ...]) -> dict[int, np.ndarray]:
+    """Every position's residual stream after each decoder layer (HF, float32, un-normed)."""
+    model = _load(model_dir, torch.float32, "cpu")
+    norm, model.model.norm = model.model.norm, torch.nn.Identity()
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([list(token_ids)]), output_hidden_states=True)
+    finally:
+        model.model.norm = norm
+    return {i: out.hidden_states[i + 1][0].double().numpy() for i in range(4)}

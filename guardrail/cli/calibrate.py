@@ -126,6 +126,14 @@ def _add_fit_arguments(parser: argparse.ArgumentParser) -> None:
         "(the sweep's step with that many; the report lists them all)",
     )
     group.add_argument("--folds", type=int, default=5, help="cross-validation folds (by group)")
+    group.add_argument(
+        "--token-samples",
+        type=int,
+        default=48,
+        help="without --data: the token read-out (a token model's highest logits over the "
+        "data tokens) is fitted on this many sampled token streams per row, and scored in a "
+        "second pass; 0 leaves it out (default 48)",
+    )
 
 
 def _layer_budget(text: str) -> int | str:

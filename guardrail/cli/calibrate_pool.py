@@ -3,7 +3,9 @@
 The packaged pool's rows (:mod:`guardrail.offline.pool`) are scored once through the serving
 probe (every head; the last-token and data-mean streams of the recipe's candidate layers) and
 :func:`guardrail.offline.pool_fit.calibrate_on_pool` fits the attention-only and the combined
-probe; :func:`guardrail.offline.pool_report.write_pool_calibration` writes ``<name>.json``,
+probe, the combined one with a token read-out whose models a second pass over the data tokens
+scores (``--token-samples``; cached beside the score cache as ``<cache>.token-logits.npz``);
+:func:`guardrail.offline.pool_report.write_pool_calibration` writes ``<name>.json``,
 ``<name>.combined.json`` and ``<name>.report.{json,md,png}``. For the embedded SmolLM2 this is
 the writer of the shipped configs: ``guardrail calibrate --out model_configs --report
 benchmarks/results/calibrate_pool_smollm2/SmolLM2-135M-Instruct.report.json`` rebuilds them
@@ -26,7 +28,8 @@ from guardrail.offline.datasets import LabelledPair
 from guardrail.offline.pool import pool_summary
 from guardrail.offline.pool_fit import ModelShape, calibrate_on_pool
 from guardrail.offline.pool_report import write_pool_calibration
-from guardrail.offline.row_scores import ScoringSettings, scores_for
+from guardrail.offline.row_scores import ScoringSettings, scores_for, top_token_logits
+from guardrail.offline.token_readout import TokenModel
 from guardrail.offline.transfer import ScoredPool, TransferRecipe, recipe_for
 
 __all__ = ["POOL", "POOL_MAX_PROMPT_TOKENS", "run_pool"]
@@ -75,6 +78,7 @@ def _pool_settings(args: argparse.Namespace, recipe: TransferRecipe) -> ScoringS
         max_prompt_tokens=args.max_prompt_tokens or POOL_MAX_PROMPT_TOKENS,
         hidden_layers=recipe.hidden_candidates,
         data_mean_layers=recipe.data_mean_layers or recipe.hidden_candidates,
+        token_samples=max(args.token_samples, 0),
     )
 
 
@@ -113,14 +117,30 @@ def run_pool(args: argparse.Namespace, engine: Any) -> int:
     dataset += f"({len(skipped)})"
     started = time.perf_counter()
     pool = ScoredPool(pairs, table)
-    steps = 2 + len(recipe.hidden_candidates) + len(set(pool.corpus.tolist()))
+    sources = len(set(pool.corpus.tolist()))
+    steps = 2 + len(recipe.hidden_candidates) + sources
+    if settings.token_samples:  # the models of each scope, the pass, each C tried
+        steps += sources + 2 + 3
+    cache = args.scores_cache
+    logits_cache = None if cache is None else cache.with_suffix(".token-logits.npz")
+
+    def top_logits_of(models: list[TokenModel]) -> Any:
+        return top_token_logits(pool.rows, models, model, settings, engine, logits_cache)
+
     with tqdm(total=steps, desc="fits", unit="fit") as bar:
 
         def progress(step: str) -> None:
             bar.set_postfix_str(step)
             bar.update(1)
 
-        result = calibrate_on_pool(pool, shape, dataset, recipe, progress)
+        result = calibrate_on_pool(
+            pool,
+            shape,
+            dataset,
+            recipe,
+            progress,
+            top_logits_of if settings.token_samples else None,
+        )
     fit_seconds = time.perf_counter() - started
     report = args.report or args.out / f"{stem}.report.json"
     written = write_pool_calibration(result, args.out, stem, report, skipped)

@@ -3,7 +3,9 @@
 Pure functions over what the serving probe measured for labelled rows: per-head attention stats
 ``[rows, heads, 5]``, the residual stream at the last prompt token of a few decoder layers
 (``{layer: [rows, hidden_size]}``) and, optionally, the stream averaged over the data tokens
-(``data_mean``, same shape; read-outs with ``position="data_mean"``). Every column is
+(``data_mean``, same shape; read-outs with ``position="data_mean"``) and a token-level
+read-out's pooled logit (``data_top``: one column per layer,
+:class:`~guardrail.offline.token_readout.TokenColumn`). Every column is
 standardised, one L1-penalised logistic regression predicts injection from all of them (the
 penalty keeps few heads and few hidden coordinates), and the fit becomes a
 ``ModelProbeConfig``: head weights folded back to the raw feature scale (as the attention-only
@@ -29,7 +31,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,6 +39,7 @@ import numpy as np
 from guardrail.errors import ConfigError
 from guardrail.offline.calibration import group_folds, standardised_l1_fit, threshold_at_fpr
 from guardrail.offline.evaluation import auroc
+from guardrail.offline.token_readout import TokenColumn
 from guardrail.probe.config import HiddenLayerProbe, HiddenPosition
 from guardrail.probe.scoring import FEATURES_PER_HEAD, FeatureKind, HeadKey, head_features
 
@@ -66,6 +69,8 @@ class CombinedFit:
     c: float
     cv_auroc: float
     oof_focus: np.ndarray  # out-of-fold focus of every row (thresholds are set on it)
+    # data_top layer -> (weight, mean, std) of its pooled column in the standardised fit
+    top_columns: dict[int, tuple[float, float, float]] = field(default_factory=dict)
 
     def probe_fields(self) -> dict[str, Any]:
         """The ``ModelProbeConfig`` fields of this probe (add model_id, threshold, sizes)."""
@@ -81,13 +86,18 @@ class CombinedFit:
 
 
 def _streams(
-    hidden: Mapping[int, np.ndarray], data_mean: Mapping[int, np.ndarray] | None
+    hidden: Mapping[int, np.ndarray],
+    data_mean: Mapping[int, np.ndarray] | None,
+    data_top: Mapping[int, TokenColumn] | None = None,
 ) -> list[tuple[int, HiddenPosition, np.ndarray]]:
-    """The hidden inputs in column order: last-token layers ascending, then data-mean ones."""
+    """The hidden inputs in column order: last-token layers ascending, then data-mean ones,
+    then the token read-outs' pooled columns."""
     out: list[tuple[int, HiddenPosition, np.ndarray]] = [
         (layer, "last", hidden[layer]) for layer in sorted(hidden)
     ]
     out += [(layer, "data_mean", (data_mean or {})[layer]) for layer in sorted(data_mean or {})]
+    top = data_top or {}
+    out += [(layer, "data_top", top[layer].values[:, None]) for layer in sorted(top)]
     return out
 
 
@@ -96,12 +106,14 @@ def feature_matrix(
     hidden: Mapping[int, np.ndarray],
     feature: FeatureKind,
     data_mean: Mapping[int, np.ndarray] | None = None,
+    data_top: Mapping[int, TokenColumn] | None = None,
 ) -> np.ndarray:
     """Columns: the heads' features (head-major), then each hidden layer's coordinates in
-    ascending layer order, then each data-mean layer's. ``stats [rows, heads, 5]``,
-    ``hidden`` and ``data_mean`` ``{layer: [rows, size]}``."""
+    ascending layer order, then each data-mean layer's, then each token read-out's pooled
+    logit. ``stats [rows, heads, 5]``, ``hidden`` and ``data_mean`` ``{layer: [rows, size]}``."""
     parts = [head_features(stats, feature)] if stats.shape[1] else []
-    parts += [np.asarray(x, dtype=np.float64) for _, _, x in _streams(hidden, data_mean)]
+    streams = _streams(hidden, data_mean, data_top)
+    parts += [np.asarray(x, dtype=np.float64) for _, _, x in streams]
     return np.concatenate(parts, axis=1)
 
 
@@ -142,16 +154,20 @@ def _hidden_parts(
     offset: int,
     hidden: Mapping[int, np.ndarray],
     data_mean: Mapping[int, np.ndarray] | None,
+    data_top: Mapping[int, TokenColumn] | None = None,
 ) -> list[HiddenLayerProbe]:
     """The hidden-state read-outs of a fit: each stream's coordinates with a non-zero weight.
     ``w``, ``mean``, ``std``: ``[features]`` of the standardised fit; the streams' columns
     start at ``offset``, in :func:`_streams`' order."""
     parts: list[HiddenLayerProbe] = []
-    for layer, position, stream in _streams(hidden, data_mean):
+    for layer, position, stream in _streams(hidden, data_mean, data_top):
         size = np.asarray(stream).shape[1]
         lw = w[offset : offset + size]
         dims = np.flatnonzero(np.abs(lw) > 1e-9)
-        if len(dims):
+        if len(dims) and position == "data_top":
+            column = (data_top or {})[layer]
+            parts.append(column.part(float(lw[0]), float(mean[offset]), float(std[offset])))
+        elif len(dims):
             parts.append(
                 HiddenLayerProbe(
                     layer=int(layer),
@@ -177,9 +193,12 @@ def fit_combined(
     folds: int = 5,
     seed: int = 0,
     data_mean: Mapping[int, np.ndarray] | None = None,
+    data_top: Mapping[int, TokenColumn] | None = None,
 ) -> CombinedFit:
-    """Fit the combined probe; C by grouped cross-validation (best out-of-fold AUROC)."""
-    x = feature_matrix(stats, hidden, feature, data_mean)
+    """Fit the combined probe; C by grouped cross-validation (best out-of-fold AUROC). A
+    token read-out (``data_top``) whose column gets a negative weight cannot be served (its
+    k highest logits would be the k lowest terms): the fit is then made without it."""
+    x = feature_matrix(stats, hidden, feature, data_mean, data_top)
     y = np.asarray(labels, dtype=int)
     cv_auroc, c, oof_logit = _best_c(x, y, group_folds(groups, folds, seed), c_grid)
     w, b, mean, std = standardised_l1_fit(x, y, c)
@@ -192,15 +211,26 @@ def fit_combined(
     raw_w = (w[:n_head_cols] / std[:n_head_cols]).reshape(len(heads), per_head)
     # the head part on the raw feature scale: z = b - sum(w * mean / std) + sum(w / std * f)
     bias = b - float(np.dot(w[:n_head_cols], mean[:n_head_cols] / std[:n_head_cols]))
+    top = data_top or {}
+    first_top = x.shape[1] - len(top)  # the pooled columns come last, in layer order
+    top_columns = {
+        layer: (float(w[first_top + j]), float(mean[first_top + j]), float(std[first_top + j]))
+        for j, layer in enumerate(sorted(top))
+    }
+    if any(weight < -1e-9 for weight, _, _ in top_columns.values()):
+        return fit_combined(
+            stats, heads, hidden, labels, groups, feature, c_grid, folds, seed, data_mean
+        )
     return CombinedFit(
         heads=[tuple(heads[j]) for j in keep],  # type: ignore[misc]
         weights=[float(v) for j in keep for v in raw_w[j]],
         bias=bias,
-        hidden=_hidden_parts(w, mean, std, n_head_cols, hidden, data_mean),
+        hidden=_hidden_parts(w, mean, std, n_head_cols, hidden, data_mean, data_top),
         feature=feature,
         c=c,
         cv_auroc=float(cv_auroc),
         oof_focus=focus_from_logit(oof_logit),
+        top_columns={k: v for k, v in top_columns.items() if abs(v[0]) > 1e-9},
     )
 
 
@@ -210,15 +240,21 @@ def combined_focus(
     heads: Sequence[HeadKey],
     hidden: Mapping[int, np.ndarray],
     data_mean: Mapping[int, np.ndarray] | None = None,
+    data_top: Mapping[int, np.ndarray] | None = None,
 ) -> np.ndarray:
     """The focus a config made from ``fit`` gives each row (vectorised ``config.focus``):
     ``stats [rows, heads, 5]`` with column j = ``heads[j]``, ``hidden`` and ``data_mean``
-    ``{layer: [rows, size]}``."""
+    ``{layer: [rows, size]}``, ``data_top`` ``{layer: [rows]}`` (the rows' pooled token
+    logits, for a fit that reads them)."""
     column = {tuple(h): j for j, h in enumerate(heads)}
     cols = [column[tuple(h)] for h in fit.heads]
     feats = head_features(stats[:, cols], fit.feature)
     logit = fit.bias + feats @ np.asarray(fit.weights)
+    for layer, (weight, mean, std) in fit.top_columns.items():
+        logit = logit + weight * (np.asarray((data_top or {})[layer]) - mean) / std
     for part in fit.hidden:
+        if part.position == "data_top":
+            continue  # its pooled column, above
         streams = hidden if part.position == "last" else (data_mean or {})
         x = np.asarray(streams[part.layer], dtype=np.float64)[:, part.dims]
         logit = logit + ((x - part.mean) / np.asarray(part.scale)) @ np.asarray(part.weights)

@@ -471,7 +471,10 @@ class ScoreTable:
     Token counts ride along (the length confound check), and ``skipped`` remembers rows that
     could not be scored (content key -> reason). ``hidden`` holds the residual stream at the
     last prompt token of the hidden layers read (layer -> ``[rows, hidden_size]``), empty when
-    none were; ``data_mean`` the stream averaged over the row's data tokens, likewise. Saved as
+    none were; ``data_mean`` the stream averaged over the row's data tokens, likewise;
+    ``tokens`` the streams at each row's sampled prompt positions (layer -> ``[tokens,
+    hidden_size]`` float16; row i's are ``token_offsets[i]:token_offsets[i + 1]``: what a
+    token-level read-out is fitted on, :mod:`guardrail.offline.token_readout`). Saved as
     ``.npz`` so calibration and evaluation can reuse one scoring pass; rows
     are matched by :func:`content_key`.
     """
@@ -485,6 +488,14 @@ class ScoreTable:
     skipped: dict[str, str] = field(default_factory=dict)
     hidden: dict[int, np.ndarray] = field(default_factory=dict)
     data_mean: dict[int, np.ndarray] = field(default_factory=dict)
+    tokens: dict[int, np.ndarray] = field(default_factory=dict)
+    token_offsets: np.ndarray | None = None  # [rows + 1] when ``tokens`` is not empty
+
+    def row_tokens(self, layer: int, row: int) -> np.ndarray:
+        """Row ``row``'s sampled streams of ``layer``: ``[tokens, hidden_size]`` float32."""
+        assert self.token_offsets is not None
+        start, end = self.token_offsets[row], self.token_offsets[row + 1]
+        return self.tokens[layer][start:end].astype(np.float32)
 
     def save(self, path: str | Path) -> None:
         skipped = sorted(self.skipped.items())
@@ -499,6 +510,8 @@ class ScoreTable:
             "skipped_reasons": np.array([r for _, r in skipped], dtype=str),
             **{f"hidden_{layer}": values for layer, values in self.hidden.items()},
             **{f"data_mean_{layer}": values for layer, values in self.data_mean.items()},
+            **{f"tokens_{layer}": values for layer, values in self.tokens.items()},
+            **({} if self.token_offsets is None else {"token_offsets": self.token_offsets}),
         }
         np.savez_compressed(Path(path), **arrays)  # type: ignore[arg-type]
 
@@ -535,10 +548,24 @@ class ScoreTable:
                     for name in z.files
                     if name.startswith("data_mean_")
                 },
+                {
+                    int(name.removeprefix("tokens_")): z[name]
+                    for name in z.files
+                    if name.startswith("tokens_")
+                },
+                z["token_offsets"] if "token_offsets" in z.files else None,
             )
 
     def select(self, rows: Sequence[int]) -> ScoreTable:
         """A table of the given rows, in that order."""
+        tokens: dict[int, np.ndarray] = {}
+        offsets = None
+        if self.token_offsets is not None:
+            starts, ends = self.token_offsets[list(rows)], self.token_offsets[1:][list(rows)]
+            offsets = np.r_[0, np.cumsum(ends - starts)].astype(np.int64)
+            spans = [np.arange(a, b) for a, b in zip(starts, ends, strict=True)]
+            at = np.concatenate(spans).astype(np.int64) if spans else np.zeros(0, np.int64)
+            tokens = {layer: v[at] for layer, v in self.tokens.items()}
         return ScoreTable(
             self.model,
             self.heads,
@@ -548,6 +575,8 @@ class ScoreTable:
             self.data_tokens[list(rows)],
             hidden={layer: values[list(rows)] for layer, values in self.hidden.items()},
             data_mean={layer: values[list(rows)] for layer, values in self.data_mean.items()},
+            tokens=tokens,
+            token_offsets=offsets,
         )
 
     def rows(self, pairs: Sequence[LabelledPair]) -> tuple[list[int], list[int]]:
@@ -570,6 +599,11 @@ class ScoreTable:
                 f"cannot merge scores read at data-mean layers {sorted(other.data_mean)} into a "
                 f"cache read at {sorted(self.data_mean)}: use another --scores-cache path"
             )
+        if sorted(other.tokens) != sorted(self.tokens):
+            raise ConfigError(
+                f"cannot merge token streams of layers {sorted(other.tokens)} into a cache "
+                f"holding {sorted(self.tokens)}: use another --scores-cache path"
+            )
         known = set(self.keys)
         new = [j for j, k in enumerate(other.keys) if k not in known]
         merged = self.select(range(len(self.keys)))
@@ -590,4 +624,11 @@ class ScoreTable:
                 layer: np.concatenate([merged.data_mean[layer], extra.data_mean[layer]])
                 for layer in self.data_mean
             },
+            {
+                layer: np.concatenate([merged.tokens[layer], extra.tokens[layer]])
+                for layer in self.tokens
+            },
+            None
+            if merged.token_offsets is None or extra.token_offsets is None
+            else np.r_[merged.token_offsets, merged.token_offsets[-1] + extra.token_offsets[1:]],
         )

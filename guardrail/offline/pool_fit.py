@@ -7,7 +7,10 @@ the recipe's candidate layers), :func:`calibrate_on_pool` fits two probes of
 
 - ``attention``: attention features only; it runs in any engine mode (``<name>.json``);
 - ``combined``: the same heads with the last-token stream of the two best candidate layers and
-  the data-mean stream of the first of them (``<name>.combined.json``, eager engines);
+  the data-mean stream of the first of them, and, when the scores hold sampled token streams
+  and a second pass is given (``top_logits_of``), a token-level read-out of that layer over
+  the data tokens (:mod:`guardrail.offline.token_fit`) where it raises the pool's CV AUROC
+  (``<name>.combined.json``);
 
 and measures both on each source left out of the fit.
 :func:`guardrail.offline.pool_report.write_pool_calibration` writes the two configs and the
@@ -29,6 +32,7 @@ from typing import Any
 
 from guardrail.errors import ConfigError
 from guardrail.offline.datasets import pairs_sha256
+from guardrail.offline.token_fit import TokenReadoutFit, TopLogits, fit_token_readout
 from guardrail.offline.transfer import (
     LeftOut,
     Measured,
@@ -96,6 +100,7 @@ class PoolCalibration:
     left_out: dict[str, dict[str, LeftOut]]  # source -> kind
     sources: list[str]
     layouts: list[str]
+    token: TokenReadoutFit | None = None  # the token read-out's fits (None: not tried)
 
 
 def _source_text(probe: ProbeFit) -> str:
@@ -108,6 +113,11 @@ def _source_text(probe: ProbeFit) -> str:
         text += f" and the residual stream at the last prompt token of layers {layers}"
     if probe.data_mean_layers:
         text += f" and averaged over the data tokens of layers {list(probe.data_mean_layers)}"
+    for layer, column in sorted(probe.data_top.items()):
+        text += (
+            f" and a token model's {column.top_k} highest logits over the data tokens of layer "
+            f"{layer} (C={column.model.c:g})"
+        )
     return text + ", from the serving probe"
 
 
@@ -149,10 +159,13 @@ def calibrate_on_pool(
     dataset: str,
     recipe: TransferRecipe,
     progress: Callable[[str], None] | None = None,
+    top_logits_of: TopLogits | None = None,
 ) -> PoolCalibration:
     """Both probes fitted on ``pool``'s calibration rows by ``recipe``, their configs, and the
     leave-one-source-out measurements. ``dataset`` describes the rows (the configs record it
-    after their count: "<n> rows of <dataset>"); ``progress(step)`` is called after each fit."""
+    after their count: "<n> rows of <dataset>"); ``progress(step)`` is called after each fit.
+    ``top_logits_of`` (the token read-out's second pass) tries the token read-out when the
+    scores hold sampled token streams of the data-mean layer."""
     step = progress or (lambda _: None)
     index = pool.calibration
     if len(set(pool.labels[index].tolist())) < 2:
@@ -164,10 +177,14 @@ def calibrate_on_pool(
     step("attention layers")
     last, layer_cv = choose_hidden_layers(pool, index, recipe, lambda layer: step(f"layer {layer}"))
     means = recipe.data_mean_layers if recipe.data_mean_layers is not None else last[:1]
-    probes = {
-        "attention": fit_probe(pool, "attention", index, recipe, attention),
-        "combined": fit_probe(pool, "combined", index, recipe, attention, last, means),
-    }
+    probes = {"attention": fit_probe(pool, "attention", index, recipe, attention)}
+    token = None
+    if top_logits_of is not None and means and means[0] in pool.table.tokens:
+        token = fit_token_readout(
+            pool, index, recipe, attention, last, means, means[0], top_logits_of, step
+        )
+    columns = {} if token is None or token.column is None else {means[0]: token.column}
+    probes["combined"] = fit_probe(pool, "combined", index, recipe, attention, last, means, columns)
     step("pool fits")
     configs = {kind: _config(probe, shape, pool, dataset, recipe) for kind, probe in probes.items()}
     out_of_fold = {
@@ -184,7 +201,14 @@ def calibrate_on_pool(
         probes=probes,
         configs=configs,
         out_of_fold=out_of_fold,
-        left_out=leave_one_source_out(pool, probes, recipe, lambda s: step(f"{s} left out")),
+        left_out=leave_one_source_out(
+            pool,
+            probes,
+            recipe,
+            lambda s: step(f"{s} left out"),
+            None if token is None else token.left_out,
+        ),
         sources=sorted(set(pool.corpus[index].tolist())),
         layouts=sorted(set(pool.layout[index].tolist())),
+        token=token,
     )

@@ -47,7 +47,20 @@ def _fit_summary(result: PoolCalibration, kind: str) -> dict[str, Any]:
         "data_mean_layers": list(probe.data_mean_layers),
         "hidden_dims_kept": {f"{p.layer} {p.position}": len(p.dims) for p in config.hidden or []},
         "per_source_threshold": {k: round(v, 6) for k, v in probe.per_source.items()},
+        "data_top": {
+            str(layer): {"top_k": column.top_k, "c": column.model.c}
+            for layer, column in sorted(probe.data_top.items())
+        },
     }
+
+
+def _token_summary(result: PoolCalibration) -> dict[str, Any] | None:
+    """The token read-out's choice: every (C, k) tried and the fit without it (CV AUROC)."""
+    token = result.token
+    if token is None:
+        return None
+    chosen = None if token.column is None else [token.column.model.c, token.column.top_k]
+    return {"chosen": chosen, "models": token.models, "cv_auroc": token.cv}
 
 
 def report_doc(
@@ -63,6 +76,7 @@ def report_doc(
         "recipe": asdict(result.recipe),
         "hidden_layer_cv_auroc": {str(k): v for k, v in result.layer_cv_auroc.items()},
         "fits": {kind: _fit_summary(result, kind) for kind in KINDS},
+        "token_readout": _token_summary(result),
         "left_out": {
             source: {kind: left.measured for kind, left in per_kind.items()}
             for source, per_kind in result.left_out.items()
@@ -85,6 +99,27 @@ def _layout_cell(m: Measured | None) -> str:
     return f"{m['flagged_clean']:.1%} / {caught} ({m['n_clean']})"
 
 
+def _token_markdown(result: PoolCalibration) -> list[str]:
+    token = _token_summary(result)
+    if token is None:
+        return []
+    chosen = token["chosen"]
+    verdict = (
+        "not kept: no (C, k) beat the combined fit without it"
+        if chosen is None
+        else f"kept: C = {chosen[0]:g}, k = {chosen[1]}"
+    )
+    cells = {name: {"cv_auroc": value} for name, value in token["cv_auroc"].items()}
+    return [
+        "## Token read-out\n",
+        f"A token model's k highest logits over the data tokens, one more column of the "
+        f"combined fit ({token['models']} token models: one per fold and one on all rows, of "
+        f"the pool and of each source left out, per C); chosen by the pool's grouped CV "
+        f"AUROC (`none`: without it): {verdict}.\n",
+        markdown_table(cells, ["cv_auroc"]) + "\n",
+    ]
+
+
 def report_markdown(result: PoolCalibration) -> str:
     """The report's tables: the fits, each source left out (both kinds), and the clean rows
     flagged per prompt layout (each source left out, then the pool fit out of fold)."""
@@ -97,6 +132,7 @@ def report_markdown(result: PoolCalibration) -> str:
         f"Thresholds flag at most {result.recipe.target_fpr:g} of the clean rows of every "
         "calibration source (out-of-fold focus).\n",
         markdown_table(fits, columns) + "\n",
+        *_token_markdown(result),
         "## Leave one source out\n",
         "Each kind fitted (penalty and threshold too) without the source (BIPIA and its "
         "everyday rows leave together), measured on it. Cells: AUROC / clean rows flagged / "

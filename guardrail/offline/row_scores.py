@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from guardrail.errors import ConfigError, GuardrailError, RequestError
 from guardrail.offline.datasets import LabelledPair, ScoreTable, content_key
 from guardrail.offline.layouts import request_for
+from guardrail.offline.token_readout import TOKENS_PER_ROW, TOP, TokenModel, models_sha256
 from guardrail.probe.config import HiddenPosition, ModelProbeConfig
 from guardrail.probe.scoring import ATTENTION_STATS, HeadKey
 
@@ -38,9 +39,12 @@ __all__ = [
     "open_engine",
     "score_pairs",
     "scores_for",
+    "top_token_logits",
 ]
 
 Checkpoint = Callable[[ScoreTable, list[dict[str, str]]], None]
+CHECKPOINT_S = 60.0
+"""Scoring saves its progress at most this often (seconds)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class ScoringSettings:
 
     ``hidden_layers``: layers whose residual stream at the last prompt token is read;
     ``data_mean_layers``: layers whose stream averaged over the data tokens is read.
+    ``token_samples``: per row, the whole streams of the data-mean layers at this many sampled
+    positions are kept too (:func:`guardrail.offline.token_readout.sample_positions`).
     ``engine_args``: any further vLLM engine argument (it wins over the fields above).
     """
 
@@ -58,6 +64,7 @@ class ScoringSettings:
     max_prompt_tokens: int | None = None
     hidden_layers: tuple[int, ...] = ()
     data_mean_layers: tuple[int, ...] = ()
+    token_samples: int = 0
     max_model_len: int = 4096
     max_num_batched_tokens: int = 4096
     dtype: str | None = None
@@ -109,7 +116,9 @@ def open_engine(model: str, heads: Sequence[HeadKey] | str, settings: ScoringSet
 class _Collected:
     """Scores gathered batch by batch; :meth:`table` turns what is held into a ScoreTable."""
 
-    def __init__(self, heads: list[HeadKey], hidden: list[int], means: list[int]) -> None:
+    def __init__(
+        self, heads: list[HeadKey], hidden: list[int], means: list[int], tokens: bool = False
+    ) -> None:
         self.heads = heads
         self.keys: list[str] = []
         self.values: list[list[Any]] = []
@@ -117,14 +126,29 @@ class _Collected:
         self.data_tokens: list[int] = []
         self.streams: dict[int, list[Any]] = {layer: [] for layer in hidden}
         self.means: dict[int, list[Any]] = {layer: [] for layer in means}
+        self.tokens: dict[int, list[np.ndarray]] | None = (
+            {layer: [] for layer in means} if tokens else None
+        )
+        self.token_counts: list[int] = []
 
-    def add(self, pair: LabelledPair, out: Any) -> str | None:
+    def add(self, pair: LabelledPair, out: Any, positions: list[int] | None = None) -> str | None:
         """Keep the scores of ``pair`` in the engine's output ``out``, or say why it cannot."""
         probe = out.probe
         if out.error is not None or probe is None or not probe.head_stats:
             return str(out.error or (probe.error if probe else "no probe result"))
         if any(layer not in probe.data_mean_states for layer in self.means):
             return "no data tokens to average"
+        if self.tokens is not None:
+            states = probe.token_states
+            if positions and sorted(states) != sorted(self.tokens):
+                return f"token streams of layers {sorted(states)}, not {sorted(self.tokens)}"
+            if positions and not all(np.isfinite(states[layer]).all() for layer in self.tokens):
+                return "a sampled token's stream is not finite (never computed in this engine?)"
+            for layer, kept in self.tokens.items():
+                size = len(probe.data_mean_states[layer])
+                none = np.zeros((0, size), np.float16)
+                kept.append(states[layer].astype(np.float16) if positions else none)
+            self.token_counts.append(len(positions or []))
         self.keys.append(content_key(pair))
         self.values.append([probe.head_stats[h] for h in self.heads])
         for layer, rows in self.streams.items():
@@ -137,6 +161,14 @@ class _Collected:
 
     def table(self, model: str) -> ScoreTable:
         n = len(self.keys)
+        tokens: dict[int, np.ndarray] = {}
+        offsets = None
+        if self.tokens is not None:
+            offsets = np.r_[0, np.cumsum(self.token_counts)].astype(np.int64)
+            tokens = {
+                layer: np.concatenate(kept) if kept else np.zeros((0, 0), np.float16)
+                for layer, kept in self.tokens.items()
+            }
         return ScoreTable(
             model,
             self.heads,
@@ -152,6 +184,8 @@ class _Collected:
                 layer: np.asarray(rows, dtype=np.float32).reshape(n, -1)
                 for layer, rows in self.means.items()
             },
+            tokens=tokens,
+            token_offsets=offsets,
         )
 
 
@@ -177,6 +211,31 @@ def _rows_that_fit(
     return todo, skipped
 
 
+def _score_chunk(
+    engine: Any,
+    chunk: Sequence[LabelledPair],
+    collected: _Collected,
+    skipped: list[dict[str, str]],
+    token_samples: int,
+) -> None:
+    """Score one batch of rows into ``collected`` (with sampled token streams when asked)."""
+    from guardrail.offline.token_readout import sample_positions
+
+    requests = [request_for(p) for p in chunk]
+    if token_samples:
+        positions: list[list[int] | None] = [
+            sample_positions(engine.prepare(r), p, engine.tokenizer, token_samples)
+            for p, r in zip(chunk, requests, strict=True)
+        ]
+        outs = engine.score(requests, stream_positions=positions)
+    else:
+        positions, outs = [None] * len(chunk), engine.score(requests)
+    for pair, out, at in zip(chunk, outs, positions, strict=True):
+        reason = collected.add(pair, out, at)
+        if reason is not None:
+            skipped.append({"id": pair.id, "reason": reason[:160]})
+
+
 def score_pairs(
     engine: Any,
     pairs: Sequence[LabelledPair],
@@ -184,29 +243,40 @@ def score_pairs(
     max_prompt_tokens: int | None = None,
     model: str = "",
     checkpoint: Checkpoint | None = None,
+    token_samples: int = 0,
 ) -> tuple[ScoreTable, list[dict[str, str]]]:
     """Per-head attention stats of each row through the engine's probe; also the rows it skipped.
 
     Rows longer than ``max_prompt_tokens`` or the engine's context, and rows the probe could
-    not score, are skipped and listed with the reason. ``checkpoint`` is called after every
-    batch with what was scored so far (the score cache saves it, so a stopped run resumes).
+    not score, are skipped and listed with the reason. ``checkpoint`` is called with what was
+    scored so far after a batch, at most every ``CHECKPOINT_S`` seconds, and when scoring is
+    stopped or fails (the score cache saves it, so a stopped run resumes; with token streams
+    the file is large).
+    ``token_samples``: keep the streams of the data-mean layers at this many sampled positions
+    per row (``ScoreTable.tokens``).
     """
     collected = _Collected(
         list(engine.probe_heads),
         list(getattr(engine, "probe_hidden_layers", [])),
         list(getattr(engine, "probe_data_mean_layers", [])),
+        tokens=token_samples > 0,
     )
     todo, skipped = _rows_that_fit(engine, pairs, max_prompt_tokens)
     bar = tqdm(total=len(todo), desc="scoring", unit="row", disable=len(todo) == 0)
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
-        for pair, out in zip(chunk, engine.score([request_for(p) for p in chunk]), strict=True):
-            reason = collected.add(pair, out)
-            if reason is not None:
-                skipped.append({"id": pair.id, "reason": reason[:160]})
-        bar.update(len(chunk))
-        if checkpoint is not None and start + batch_size < len(todo):
+    saved = time.perf_counter()
+    try:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            _score_chunk(engine, chunk, collected, skipped, token_samples)
+            bar.update(len(chunk))
+            due = time.perf_counter() - saved >= CHECKPOINT_S
+            if checkpoint is not None and due and start + batch_size < len(todo):
+                checkpoint(collected.table(model), skipped)
+                saved = time.perf_counter()
+    except BaseException:  # stopped (Ctrl-C) or failed: keep what was scored
+        if checkpoint is not None and collected.keys:
             checkpoint(collected.table(model), skipped)
+        raise
     bar.close()
     return collected.table(model), skipped
 
@@ -235,6 +305,11 @@ def _load_cache(settings: ScoringSettings, model: str) -> ScoreTable | None:
                 f"--scores-cache {path} holds {what} of layers {sorted(held)}, not the "
                 f"{wanted} asked for: use another cache file"
             )
+    if settings.token_samples and cache.token_offsets is None:
+        raise GuardrailError(
+            f"--scores-cache {path} holds no sampled token streams, which the token read-out "
+            "is fitted on: use another cache file (it was written before guardrail kept them)"
+        )
     return cache
 
 
@@ -254,6 +329,9 @@ def _score_missing(
             settings,
             hidden_layers=tuple(sorted(cache.hidden)),
             data_mean_layers=tuple(sorted(cache.data_mean)),
+            token_samples=(settings.token_samples or TOKENS_PER_ROW)
+            if cache.token_offsets is not None
+            else 0,
         )
     path = settings.scores_cache
     by_id = {p.id: content_key(p) for p in missing}
@@ -273,7 +351,13 @@ def _score_missing(
     engine = engine or open_engine(model, "all" if path else heads, settings)
     try:
         fresh, new_skips = score_pairs(
-            engine, missing, settings.batch_size, settings.max_prompt_tokens, model, checkpoint
+            engine,
+            missing,
+            settings.batch_size,
+            settings.max_prompt_tokens,
+            model,
+            checkpoint,
+            settings.token_samples,
         )
     finally:
         if own:
@@ -318,6 +402,71 @@ def scores_for(
     index, rows = cache.rows(pairs)
     kept = [pairs[i] for i in index]
     return ScoredRows(kept, cache.select(rows), skipped, time.perf_counter() - started)
+
+
+# -- the token read-out's second pass ---------------------------------------------------------
+
+
+def top_token_logits(
+    pairs: Sequence[LabelledPair],
+    models: Sequence[TokenModel],
+    model: str,
+    settings: ScoringSettings,
+    engine: Any = None,
+    cache: Path | None = None,
+) -> np.ndarray:
+    """``[rows, models, TOP]``: each token model's ``TOP`` highest logits over each row's data
+    tokens (descending, NaN past the row's data tokens), from every data token's stream
+    through the serving probe (:func:`guardrail.offline.token_readout.top_logits`). The
+    models read one layer; ``engine`` (None: one is started with that layer's streams, and
+    closed after) must keep its whole streams. ``cache`` keeps the result for these rows and
+    models (a digest of their numbers) between runs."""
+    from guardrail.offline.token_readout import top_logits
+
+    keys = [content_key(p) for p in pairs]
+    digest = models_sha256(models)
+    if cache is not None and cache.exists():
+        with np.load(cache) as held:
+            if str(held["models"]) == digest and held["keys"].tolist() == keys:
+                return np.asarray(held["tops"])
+    layers = sorted({m.layer for m in models})
+    if len(layers) != 1:
+        raise ConfigError(f"token models of one layer only, not of layers {layers}")
+    layer = layers[0]
+    own = engine is None
+    if own:
+        engine = open_engine(
+            model, [(0, 0)], replace(settings, hidden_layers=(), data_mean_layers=(layer,))
+        )
+    elif layer not in getattr(engine, "probe_data_mean_layers", []):
+        raise ConfigError(f"the engine does not keep layer {layer}'s whole streams")
+    tops = np.full((len(pairs), len(models), TOP), np.nan)
+    try:
+        bar = tqdm(total=len(pairs), desc="token read-out", unit="row", disable=not pairs)
+        for start in range(0, len(pairs), settings.batch_size):
+            chunk = pairs[start : start + settings.batch_size]
+            requests = [request_for(p) for p in chunk]
+            positions = [
+                [t for a, b in engine.prepare(r).data_spans for t in range(a, b)] for r in requests
+            ]
+            outs = engine.score(requests, stream_positions=positions)
+            for j, (pair, out) in enumerate(zip(chunk, outs, strict=True)):
+                probe = out.probe
+                states = None if probe is None else probe.token_states.get(layer)
+                if out.error is not None or probe is None or probe.error or states is None:
+                    why = out.error or (probe.error if probe else "no probe result")
+                    raise GuardrailError(f"token read-out: row {pair.id} was not scored: {why}")
+                if not np.isfinite(states).all():
+                    raise GuardrailError(f"token read-out: row {pair.id}: a stream is not finite")
+                tops[start + j] = top_logits(states, models)
+            bar.update(len(chunk))
+        bar.close()
+    finally:
+        if own:
+            engine.close()
+    if cache is not None:
+        np.savez_compressed(cache, models=np.array(digest), keys=np.array(keys), tops=tops)
+    return tops
 
 
 # -- a config's focus on scored rows --------------------------------------------------------

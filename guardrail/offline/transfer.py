@@ -37,6 +37,7 @@ from guardrail.offline.combined import (
 )
 from guardrail.offline.datasets import LabelledPair, ScoreTable
 from guardrail.offline.evaluation import auroc, tpr_at_fpr
+from guardrail.offline.token_readout import TokenColumn
 from guardrail.probe.scoring import FeatureKind, HeadKey, head_features
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "choose_hidden_layers",
     "fit_probe",
     "leave_one_source_out",
+    "left_out_rows",
     "measure",
     "per_layout",
     "probe_focus",
@@ -156,6 +158,7 @@ class ProbeFit:
     last_layers: tuple[int, ...]
     data_mean_layers: tuple[int, ...]
     rows: int
+    data_top: dict[int, TokenColumn] = field(default_factory=dict)  # its rows' pooled logits
 
 
 def _inputs(
@@ -181,9 +184,11 @@ def fit_probe(
     attention_layers: Sequence[int] = (),
     last_layers: Sequence[int] = (),
     data_mean_layers: Sequence[int] = (),
+    data_top: Mapping[int, TokenColumn] | None = None,
 ) -> ProbeFit:
     """A ``kind`` probe fitted on rows ``index``: C by grouped CV on ``recipe.c_grid``, the
-    threshold at ``recipe.target_fpr`` on the worst source (out-of-fold focus)."""
+    threshold at ``recipe.target_fpr`` on the worst source (out-of-fold focus). ``data_top``:
+    token read-outs (their pooled logits on rows ``index``, out of fold), combined kind only."""
     attention = tuple(attention_layers) if kind != "hidden" else ()
     last = tuple(last_layers) if kind != "attention" else ()
     means = tuple(data_mean_layers) if kind != "attention" else ()
@@ -199,19 +204,27 @@ def fit_probe(
         folds=recipe.folds,
         seed=recipe.seed,
         data_mean=data_mean,
+        data_top=data_top if kind == "combined" else None,
     )
     threshold, per_source = worst_source_threshold(
         fit.oof_focus, pool.labels[index], pool.corpus[index].tolist(), recipe.target_fpr
     )
-    return ProbeFit(kind, fit, threshold, per_source, attention, last, means, len(index))
+    tops = {layer: c for layer, c in (data_top or {}).items() if layer in fit.top_columns}
+    return ProbeFit(kind, fit, threshold, per_source, attention, last, means, len(index), tops)
 
 
-def probe_focus(pool: ScoredPool, probe: ProbeFit, index: np.ndarray) -> np.ndarray:
-    """The focus ``probe`` gives rows ``index`` (what its config gives them when served)."""
+def probe_focus(
+    pool: ScoredPool,
+    probe: ProbeFit,
+    index: np.ndarray,
+    data_top: Mapping[int, np.ndarray] | None = None,
+) -> np.ndarray:
+    """The focus ``probe`` gives rows ``index`` (what its config gives them when served);
+    ``data_top``: the rows' pooled token logits, for a probe that reads them."""
     stats, heads, hidden, data_mean = _inputs(
         pool, index, probe.attention_layers, probe.last_layers, probe.data_mean_layers
     )
-    return combined_focus(probe.fit, stats, heads, hidden, data_mean)
+    return combined_focus(probe.fit, stats, heads, hidden, data_mean, data_top)
 
 
 class Measured(TypedDict):
@@ -292,21 +305,38 @@ class LeftOut:
     focus: np.ndarray
 
 
+def left_out_rows(pool: ScoredPool, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """(calibration rows fitted on, rows measured) when ``source`` is left out: a linked
+    source (``LINKED_SOURCES``) is left out of the fit with it."""
+    calibration = pool.calibration
+    left_out = [source, LINKED_SOURCES.get(source, source)]
+    train = calibration[~np.isin(pool.corpus[calibration], left_out)]
+    return train, np.flatnonzero(pool.corpus == source)
+
+
 def leave_one_source_out(
-    pool: ScoredPool, probes: Mapping[str, ProbeFit], recipe: TransferRecipe, progress: Any = None
+    pool: ScoredPool,
+    probes: Mapping[str, ProbeFit],
+    recipe: TransferRecipe,
+    progress: Any = None,
+    tokens: Mapping[str, tuple[dict[int, TokenColumn], dict[int, np.ndarray]]] | None = None,
 ) -> dict[str, dict[str, LeftOut]]:
     """For each calibration source: each probe's kind fitted (penalty and threshold too) on
     the other sources (a linked source left out with it) and measured on the source:
-    ``{source: {name: LeftOut}}``. ``progress(source)`` after each source."""
+    ``{source: {name: LeftOut}}``. ``progress(source)`` after each source. A probe with a
+    token read-out is refitted with ``tokens[source]``: the read-out's column on the rows
+    fitted on (token models of those rows only, out of fold) and its pooled logits on the
+    rows measured (the token model fitted on all of those rows)."""
     calibration = pool.calibration
     out: dict[str, dict[str, LeftOut]] = {}
     for source in sorted(set(pool.corpus[calibration].tolist())):
-        left_out = [source, LINKED_SOURCES.get(source, source)]
-        train = calibration[~np.isin(pool.corpus[calibration], left_out)]
-        test = np.flatnonzero(pool.corpus == source)
+        train, test = left_out_rows(pool, source)
         if len(set(pool.labels[train].tolist())) == 2:  # else nothing to fit on without it
             out[source] = {}
             for name, probe in probes.items():
+                columns, on_test = (
+                    (tokens or {}).get(source, ({}, {})) if probe.data_top else ({}, {})
+                )
                 refit = fit_probe(
                     pool,
                     probe.kind,
@@ -315,8 +345,9 @@ def leave_one_source_out(
                     probe.attention_layers,
                     probe.last_layers,
                     probe.data_mean_layers,
+                    columns,
                 )
-                focus = probe_focus(pool, refit, test)
+                focus = probe_focus(pool, refit, test, on_test)
                 measured = per_layout(pool, test, focus, refit.threshold)
                 out[source][name] = LeftOut(measured, pool.labels[test], focus)
         if progress is not None:

@@ -270,7 +270,7 @@ def test_a_stopped_scoring_run_resumes_from_the_cache(tiny_engine, tmp_path):
     settings = ScoringSettings(scores_cache=cache, batch_size=4)
     with pytest.raises(KeyboardInterrupt):
         scores_for(pairs, "tiny", "all", settings, StopsAfter(tiny_engine, calls=2))
-    assert len(ScoreTable.load(cache).keys) == 8  # two batches were saved as they finished
+    assert len(ScoreTable.load(cache).keys) == 8  # both batches scored, saved when it stopped
     resumed = StopsAfter(tiny_engine)
     kept, table, skipped, _ = scores_for(pairs, "tiny", "all", settings, resumed)
     assert resumed.rows == 10 and not skipped and len(kept) == 18

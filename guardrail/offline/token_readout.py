@@ -1,0 +1,197 @@
+"""A token-level read-out over the data: a logistic model on one layer's stream at single data
+tokens, pooled per request as the mean of its ``k`` highest token logits (the ``data_top``
+position of :class:`~guardrail.probe.config.HiddenLayerProbe`).
+
+A short injection inside a long document is diluted in the data tokens' mean stream; a model
+made for single tokens, pooled over the highest ones, is not (docs/detection.md, "A token-level
+read-out over the data"). Calibration fits it in two passes of the serving probe:
+
+1. the scoring pass returns, per row, the whole streams at a few sampled prompt positions
+   (:func:`sample_positions`: the tokens of an injected row's attack text, or a clean row's
+   data tokens, at most ``per_row`` of each), kept in the score table (``ScoreTable.tokens``);
+   :func:`fit_token_model` fits a model on them (L2 logistic on standardised streams);
+2. once every model calibration needs is fitted (one per cross-validation fold, one on all
+   rows, the same per source left out), a second pass reads every data token's stream of each
+   row and keeps its ``TOP`` highest logits per model (:func:`top_logits`), from which the
+   pooled value of any ``k <= TOP`` follows (:func:`pooled`).
+
+A pool row's pooled value comes from the model of the fold that did not see it, so the
+combined fit (:func:`guardrail.offline.combined.fit_combined`, argument ``data_top``) is
+cross-validated on honest values; the config serves the model fitted on every row
+(:meth:`TokenColumn.part`).
+
+Example:
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(0, 1, (200, 8)); y = (x[:, 3] > 0.5).astype(int)
+    >>> model = fit_tokens(x, y, layer=2, c=1.0)
+    >>> tops = top_logits(x[:50], [model], 5)
+    >>> tops.shape, bool(np.all(np.diff(tops[0]) <= 0))
+    ((1, 5), True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from guardrail.offline.datasets import LabelledPair, ScoreTable, content_key
+from guardrail.probe.config import HiddenLayerProbe
+
+__all__ = [
+    "TOKENS_PER_ROW",
+    "TOKEN_C_GRID",
+    "TOKEN_K_GRID",
+    "TOP",
+    "TokenColumn",
+    "TokenModel",
+    "attack_positions",
+    "fit_token_model",
+    "fit_tokens",
+    "models_sha256",
+    "pooled",
+    "sample_positions",
+    "top_logits",
+]
+
+TOKENS_PER_ROW = 48
+"""Sampled positions per row (attack tokens of an injected row, data tokens of a clean one)."""
+TOP = 20
+"""The highest token logits kept per row and model: ``k`` can be chosen up to this."""
+TOKEN_C_GRID: tuple[float, ...] = (0.01, 0.05, 0.2)
+"""Inverse L2 strengths of the token model tried (chosen by the combined fit's CV AUROC)."""
+TOKEN_K_GRID: tuple[int, ...] = (1, 3, 5, 10, 20)
+"""How many of the highest token logits are averaged, tried likewise."""
+
+
+@dataclass(frozen=True)
+class TokenModel:
+    """A token's injection logit ``x @ coef + intercept`` on ``layer``'s raw stream ``x``."""
+
+    layer: int
+    coef: np.ndarray  # [hidden_size]
+    intercept: float
+    c: float
+
+    def logits(self, streams: np.ndarray) -> np.ndarray:
+        """``[tokens]`` logits of ``streams [tokens, hidden_size]``."""
+        return np.asarray(streams, dtype=np.float64) @ self.coef + self.intercept
+
+
+def fit_tokens(x: np.ndarray, y: np.ndarray, layer: int, c: float) -> TokenModel:
+    """An L2 logistic model on standardised streams ``x [tokens, hidden]``, folded back to the
+    raw stream (``coef / std``, the mean into the intercept)."""
+    from sklearn.linear_model import LogisticRegression
+
+    x = np.asarray(x, dtype=np.float64)
+    mean, std = x.mean(0), x.std(0) + 1e-6
+    fit = LogisticRegression(C=c, max_iter=3000).fit((x - mean) / std, y)
+    coef = fit.coef_[0] / std
+    return TokenModel(layer, coef, float(fit.intercept_[0] - mean @ coef), c)
+
+
+def fit_token_model(
+    table: ScoreTable, rows: np.ndarray, labels: np.ndarray, layer: int, c: float
+) -> TokenModel:
+    """:func:`fit_tokens` on the sampled tokens of ``rows`` of ``table`` (each token labelled
+    with its row: an injected row's samples are its attack text's tokens)."""
+    parts = [table.row_tokens(layer, int(i)) for i in rows]
+    y = np.concatenate([np.full(len(p), labels[i]) for p, i in zip(parts, rows, strict=True)])
+    return fit_tokens(np.concatenate(parts), y.astype(int), layer, c)
+
+
+def top_logits(streams: np.ndarray, models: Sequence[TokenModel], top: int = TOP) -> np.ndarray:
+    """``[models, top]``: each model's ``top`` highest logits over ``streams [tokens, hidden]``,
+    descending, NaN where there are fewer tokens."""
+    out = np.full((len(models), top), np.nan)
+    if len(streams) and models:
+        coef = np.stack([m.coef for m in models], axis=1)  # [hidden, models]
+        logits = np.asarray(streams, dtype=np.float64) @ coef + [m.intercept for m in models]
+        kept = min(top, len(streams))
+        out[:, :kept] = -np.sort(-logits, axis=0)[:kept].T
+    return out
+
+
+def pooled(tops: np.ndarray, k: int) -> np.ndarray:
+    """``[rows]``: the mean of each row's ``k`` highest logits (``tops [rows, TOP]``; all it
+    has when fewer)."""
+    return np.nanmean(tops[:, :k], axis=1)
+
+
+def models_sha256(models: Sequence[TokenModel]) -> str:
+    """A digest of ``models``' numbers: a second-pass cache holds the logits of these models."""
+    digest = hashlib.sha256()
+    for m in models:
+        digest.update(np.asarray([m.layer, m.intercept, m.c], dtype=np.float64).tobytes())
+        digest.update(np.ascontiguousarray(m.coef, dtype=np.float64).tobytes())
+    return digest.hexdigest()
+
+
+def attack_positions(prepared: Any, attack: str, tokenizer: Any) -> list[int]:
+    """The data positions of ``prepared`` (a ``PreparedPrompt``) whose characters overlap
+    ``attack`` in the rendered text: [] when the text is not found verbatim (a layout that
+    escapes it) or the text does not tokenise back to the prompt's ids."""
+    at = prepared.text.find(attack) if attack else -1
+    if at < 0:
+        return []
+    encoded = tokenizer(prepared.text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(encoded["input_ids"]) != list(prepared.token_ids):
+        return []
+    offsets = encoded["offset_mapping"]
+    return [
+        t
+        for a, b in prepared.data_spans
+        for t in range(a, b)
+        if offsets[t][1] > at and offsets[t][0] < at + len(attack)
+    ]
+
+
+def sample_positions(
+    prepared: Any, pair: LabelledPair, tokenizer: Any, per_row: int = TOKENS_PER_ROW
+) -> list[int]:
+    """At most ``per_row`` prompt positions to fit the token model on, drawn with a seed from
+    the row's content (so a rescored row gets the same): an injected row's attack-text tokens
+    (none when its attack text is unknown or not found), a clean row's data tokens."""
+    if pair.label:
+        candidates = attack_positions(prepared, pair.attack or "", tokenizer)
+    else:
+        candidates = [t for a, b in prepared.data_spans for t in range(a, b)]
+    rng = np.random.default_rng(int(content_key(pair)[:12], 16))
+    picked = rng.permutation(len(candidates))[:per_row]
+    return sorted(int(candidates[j]) for j in picked)
+
+
+@dataclass(frozen=True)
+class TokenColumn:
+    """The token read-out as one column of the combined fit: ``values [rows]``, the pooled
+    logit of each row (out of fold on a fit's rows), and the model and ``k`` a config serves."""
+
+    values: np.ndarray
+    model: TokenModel
+    top_k: int
+
+    def part(self, weight: float, mean: float, std: float) -> HiddenLayerProbe:
+        """The ``data_top`` read-out that adds ``weight * (pooled - mean) / std`` to the logit:
+        per token ``x @ (weight / std * coef)``, offset so that the pooled sum is exact
+        (``weight`` must be positive: the k highest logits are then the k highest terms)."""
+        if weight <= 0:
+            raise ValueError(f"a data_top read-out needs a positive weight, not {weight}")
+        scaled = weight / std * self.model.coef
+        # offset sum(scaled * m) = -(weight / std) * (intercept - mean), with m along coef
+        m = (
+            -(self.model.intercept - mean)
+            * self.model.coef
+            / float(self.model.coef @ self.model.coef)
+        )
+        return HiddenLayerProbe(
+            layer=self.model.layer,
+            dims=list(range(len(scaled))),
+            mean=[float(v) for v in m],
+            scale=[1.0] * len(scaled),
+            weights=[float(v) for v in scaled],
+            position="data_top",
+            top_k=self.top_k,
+        )

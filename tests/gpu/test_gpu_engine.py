@@ -159,8 +159,8 @@ def test_no_request_escapes_the_probe_under_full_cuda_graphs(fp16_llama_dir):
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir, eager):
-    """Whole streams of layers 0-2 at the last token and over the data, and the config's terms,
-    against HF float16 on the same GPU: eager (Python hooks) and compiled (the taps' op between
+    """Whole streams of layers 0-2 at the last token, over the data and at asked data positions,
+    and the config's terms, against HF float16 on the same GPU: eager (Python hooks) and compiled (the taps' op between
     the piecewise CUDA graphs, the data-mean memo kept by the worker)."""
     import numpy as np
 
@@ -178,19 +178,32 @@ def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir, eager):
     try:
         batch = mixed_batch()
         outs = engine.generate(batch, engine.sampling(max_tokens=2))
-        outs += engine.generate(batch, engine.sampling(max_tokens=2))  # data from the memo
+        # the second pass serves data from the memo, and returns the first and last data
+        # token's whole streams (calibration's token read-out, ``stream_positions``)
+        data_ends = [
+            [p.data_spans[0][0], p.data_spans[-1][1] - 1] if p.data_spans else None
+            for p in (o.prompt for o in outs)
+        ]
+        outs += engine.generate(batch, engine.sampling(max_tokens=2), stream_positions=data_ends)
+        asked = [None] * len(batch) + data_ends
         worst_stream = worst_term = 0.0
-        for out in outs:
+        for out, ends in zip(outs, asked, strict=True):
             probe, p = out.probe, out.prompt
             assert probe.error is None, probe.error
             spans = tuple(tuple(s) for s in p.data_spans)
             last, mean, data = hf_streams(
                 str(fp16_llama_dir), tuple(p.token_ids), spans, torch.float16, "cuda"
             )
+            assert bool(probe.token_states) == bool(ends)
             for layer in (0, 1, 2):
                 pairs = [(probe.hidden_states[layer], last[layer])]
                 if mean:
                     pairs.append((probe.data_mean_states[layer], mean[layer]))
+                if ends:  # data[layer] holds the data tokens in order: first and last
+                    pairs += [
+                        (probe.token_states[layer][0], data[layer][0]),
+                        (probe.token_states[layer][1], data[layer][-1]),
+                    ]
                 for got, want in pairs:
                     error = np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want)
                     worst_stream = max(worst_stream, float(error))

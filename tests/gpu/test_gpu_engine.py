@@ -160,8 +160,9 @@ def test_no_request_escapes_the_probe_under_full_cuda_graphs(fp16_llama_dir):
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 def test_gpu_hidden_streams_and_terms_equal_hf(fp16_llama_dir, eager):
     """Whole streams of layers 0-2 at the last token, over the data and at asked data positions,
-    and the config's terms, against HF float16 on the same GPU: eager (Python hooks) and compiled (the taps' op between
-    the piecewise CUDA graphs, the data-mean memo kept by the worker)."""
+    and the config's terms, against HF float16 on the same GPU: eager (Python hooks) and
+    compiled (the taps' op between the piecewise CUDA graphs, the data-mean memo kept by the
+    worker)."""
     import numpy as np
 
     from tests.engine.test_hidden_state import expected_terms, hf_streams

@@ -22,7 +22,7 @@ from guardrail.offline.evaluation import (
     plot_layer_sweep,
     plot_roc,
 )
-from guardrail.offline.row_scores import config_focus, scores_for
+from guardrail.offline.row_scores import config_focus, focus_of, scores_for
 from guardrail.probe.config import ModelProbeConfig, read_model_config
 
 
@@ -88,10 +88,13 @@ def _measure(
     table: ScoreTable,
     configs: dict[str, ModelProbeConfig],
     sweep: list[dict[str, Any]],
+    focus_of_config: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(detector name -> risk scores, report fields) for the probes and the baselines."""
+    """(detector name -> risk scores, report fields) for the probes and the baselines;
+    ``focus_of_config(config)`` gives a config's focus (default: from the table)."""
     labels = [p.label for p in pairs]
-    focus = {name: config_focus(config, table) for name, config in configs.items()}
+    measure = focus_of_config or (lambda config: config_focus(config, table))
+    focus = {name: measure(config) for name, config in configs.items()}
     detectors: dict[str, Any] = {name: 1.0 - f for name, f in focus.items()}
     detectors["keyword baseline"] = [keyword_score(p.data) for p in pairs]
     detectors["data length (tokens)"] = table.data_tokens.astype(float)
@@ -136,7 +139,13 @@ def run(args: argparse.Namespace, engine: Any) -> int:
     settings = scoring_settings(args, every)
     pairs, table, skipped, seconds = scores_for(pairs, model, needed, settings, engine)
     labels = [p.label for p in pairs]
-    detectors, fields = _measure(pairs, table, configs, sweep)
+    detectors, fields = _measure(
+        pairs,
+        table,
+        configs,
+        sweep,
+        lambda config: focus_of(config, table, pairs, model, settings),
+    )
     out, plots = args.out_dir, args.plot_dir or args.out_dir
     roc_png = plots / f"roc_{args.plot_stem or args.name}.png"
     layers_png = plots / f"layers_{args.plot_stem or args.name}.png"

@@ -13,7 +13,7 @@ from guardrail.cli.output import write_json
 from guardrail.errors import ConfigError
 from guardrail.offline.calibration import retarget_threshold
 from guardrail.offline.datasets import load_pairs, pairs_sha256, sample_groups
-from guardrail.offline.row_scores import config_focus, scores_for
+from guardrail.offline.row_scores import focus_of, scores_for
 from guardrail.offline.shadow import (
     MIN_SAMPLES_PER_FLAG,
     read_scrape,
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, engine: Any) -> int:
     source = ", ".join(p.name for p in args.data)
     new, info = retarget_threshold(
         config,
-        config_focus(config, table),
+        focus_of(config, table, clean, model, settings),
         args.target_fpr,
         source,
         pairs_sha256(clean),

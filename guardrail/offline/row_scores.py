@@ -35,10 +35,12 @@ __all__ = [
     "ScoredRows",
     "ScoringSettings",
     "config_focus",
+    "focus_of",
     "layers_read_by",
     "open_engine",
     "score_pairs",
     "scores_for",
+    "served_focus",
     "top_token_logits",
 ]
 
@@ -82,9 +84,15 @@ class ScoredRows(NamedTuple):
     seconds: float
 
 
-def open_engine(model: str, heads: Sequence[HeadKey] | str, settings: ScoringSettings) -> Any:
+def open_engine(
+    model: str,
+    heads: Sequence[HeadKey] | str,
+    settings: ScoringSettings,
+    config: ModelProbeConfig | None = None,
+) -> Any:
     """Start a ``HookedLLM`` that scores ``heads`` ("all" for calibration) and reads the
-    settings' hidden layers. Sets ``VLLM_CPU_KVCACHE_SPACE=2`` unless already set."""
+    settings' hidden layers; with ``config``, one that serves that config instead. Sets
+    ``VLLM_CPU_KVCACHE_SPACE=2`` unless already set."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from guardrail.engine import HookedLLM
@@ -100,6 +108,8 @@ def open_engine(model: str, heads: Sequence[HeadKey] | str, settings: ScoringSet
         **({} if settings.dtype is None else {"dtype": settings.dtype}),
         **dict(settings.engine_args),  # any vLLM argument; it wins
     }
+    if config is not None:
+        return HookedLLM(model, config, **engine_kwargs)
     return HookedLLM(
         model,
         placeholder,
@@ -469,6 +479,50 @@ def top_token_logits(
     return tops
 
 
+def served_focus(
+    pairs: Sequence[LabelledPair], model: str, config: ModelProbeConfig, settings: ScoringSettings
+) -> np.ndarray:
+    """The focus an engine serving ``config`` gives each of ``pairs``, in order: how a config
+    whose read-out a score table cannot hold (``data_top``) is measured. A row the probe could
+    not score is an error naming it (``pairs`` should be rows a scoring pass kept)."""
+    engine = open_engine(model, config.heads, settings, config)
+    focus = np.empty(len(pairs))
+    try:
+        bar = tqdm(total=len(pairs), desc="served focus", unit="row", disable=not pairs)
+        for start in range(0, len(pairs), settings.batch_size):
+            chunk = pairs[start : start + settings.batch_size]
+            for j, (pair, out) in enumerate(
+                zip(chunk, engine.score([request_for(p) for p in chunk]), strict=True)
+            ):
+                probe = out.probe
+                if out.error is not None or probe is None or probe.focus is None:
+                    why = out.error or (probe.error if probe else "no probe result")
+                    raise GuardrailError(
+                        f"row {pair.id} was not scored by the served config: {why}"
+                    )
+                focus[start + j] = probe.focus
+            bar.update(len(chunk))
+        bar.close()
+    finally:
+        engine.close()
+    return focus
+
+
+def focus_of(
+    config: ModelProbeConfig,
+    table: ScoreTable,
+    pairs: Sequence[LabelledPair],
+    model: str,
+    settings: ScoringSettings,
+) -> np.ndarray:
+    """The focus ``config`` gives ``pairs`` (the rows of ``table``, in order): from the table
+    (:func:`config_focus`), or through an engine serving it when it reads the data tokens'
+    highest values, which no table holds (:func:`served_focus`)."""
+    if config.hidden_layers_at("data_top"):
+        return served_focus(pairs, model, config, settings)
+    return config_focus(config, table)
+
+
 # -- a config's focus on scored rows --------------------------------------------------------
 
 
@@ -490,8 +544,8 @@ def _check_table_serves(config: ModelProbeConfig, table: ScoreTable) -> None:
         raise ConfigError(
             f"config {config.model_id!r} reads layers {tops} at position 'data_top' (the data "
             "tokens' highest values), which a score table cannot hold (it keeps one stream per "
-            "row): measure it through an engine serving it (`HookedLLM(model, config).score(...)` "
-            "gives each request's focus)"
+            "row): measure it through an engine serving it (`served_focus`, which `guardrail "
+            "evaluate` and `guardrail threshold` use for it)"
         )
     held_heads = set(table.heads)
     missing = [h for h in config.heads if h not in held_heads]

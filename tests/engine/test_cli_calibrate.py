@@ -592,3 +592,38 @@ def test_evaluate_keeps_two_configs_with_the_same_file_name_apart(tmp_path):
     assert list(configs)[1] == f"logistic (SmolLM2-135M-Instruct) [{paths[1]}]"
     with pytest.raises(ConfigError, match="given twice"):
         load_detectors([paths[0], paths[0], paths[0]])
+
+
+def test_a_data_top_config_is_measured_through_an_engine_serving_it(tiny_llama_dir, tmp_path):
+    """A config reading the data tokens' highest values (``data_top``) cannot be scored from a
+    score table: ``guardrail threshold`` measures it through an engine serving it, and that
+    engine's focus is Hugging Face's for the same rows (stats and terms recomputed there)."""
+    from guardrail.offline.layouts import request_for
+    from guardrail.offline.row_scores import ScoringSettings, served_focus
+    from guardrail.probe.prompts import prepare_prompt
+    from tests.engine.test_hidden_state import expected_terms, hf_streams
+    from tests.helpers import hf_head_stats, tiny_hidden_config
+
+    config = tiny_hidden_config()
+    assert config.hidden_layers_at("data_top")
+    pairs = write_rows(tmp_path / "rows.jsonl", labelled=True)[:6]
+    settings = ScoringSettings(max_model_len=2048, batch_size=4)
+    focus = served_focus(pairs, str(tiny_llama_dir), config, settings)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    for pair, got in zip(pairs, focus, strict=True):
+        p = prepare_prompt(request_for(pair), tokenizer)
+        spans = tuple(tuple(s) for s in p.data_spans)
+        terms = expected_terms(config, *hf_streams(str(tiny_llama_dir), tuple(p.token_ids), spans))
+        stats = hf_head_stats(
+            str(tiny_llama_dir), p.token_ids, p.instruction_spans, p.data_spans, config.heads
+        )
+        assert got == pytest.approx(config.focus(stats, terms), abs=5e-5)
+
+    path = tmp_path / "top.json"
+    path.write_text(config.model_dump_json())
+    out = tmp_path / "rethresholded.json"
+    args = ["threshold", "--config", str(path), "--data", str(tmp_path / "rows.jsonl")]
+    assert main([*args, "--out", str(out), *engine_args(tiny_llama_dir)], engine=None) == 0
+    assert read_model_config(out).hidden == config.hidden  # the read-outs kept, re-thresholded

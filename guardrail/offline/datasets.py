@@ -513,7 +513,12 @@ class ScoreTable:
             **{f"tokens_{layer}": values for layer, values in self.tokens.items()},
             **({} if self.token_offsets is None else {"token_offsets": self.token_offsets}),
         }
-        np.savez_compressed(Path(path), **arrays)  # type: ignore[arg-type]
+        # written beside it and renamed: a run stopped while saving leaves the last save whole
+        target = Path(path)
+        partial = target.with_name(target.name + ".partial")
+        with partial.open("wb") as handle:
+            np.savez_compressed(handle, **arrays)  # type: ignore[arg-type]
+        partial.replace(target)
 
     @classmethod
     def load(cls, path: str | Path) -> ScoreTable:

@@ -28,7 +28,8 @@ from guardrail.offline.datasets import LabelledPair
 from guardrail.offline.pool import pool_summary
 from guardrail.offline.pool_fit import ModelShape, calibrate_on_pool
 from guardrail.offline.pool_report import write_pool_calibration
-from guardrail.offline.row_scores import ScoringSettings, scores_for, top_token_logits
+from guardrail.offline.row_scores import ScoringSettings, scores_for
+from guardrail.offline.served import top_token_logits
 from guardrail.offline.token_readout import TokenModel
 from guardrail.offline.transfer import ScoredPool, TransferRecipe, recipe_for
 

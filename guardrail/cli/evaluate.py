@@ -22,7 +22,8 @@ from guardrail.offline.evaluation import (
     plot_layer_sweep,
     plot_roc,
 )
-from guardrail.offline.row_scores import config_focus, focus_of, scores_for
+from guardrail.offline.row_scores import config_focus, scores_for
+from guardrail.offline.served import focus_of
 from guardrail.probe.config import ModelProbeConfig, read_model_config
 
 

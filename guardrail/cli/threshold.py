@@ -13,7 +13,8 @@ from guardrail.cli.output import write_json
 from guardrail.errors import ConfigError
 from guardrail.offline.calibration import retarget_threshold
 from guardrail.offline.datasets import load_pairs, pairs_sha256, sample_groups
-from guardrail.offline.row_scores import focus_of, scores_for
+from guardrail.offline.row_scores import scores_for
+from guardrail.offline.served import focus_of
 from guardrail.offline.shadow import (
     MIN_SAMPLES_PER_FLAG,
     read_scrape,

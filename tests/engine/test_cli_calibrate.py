@@ -599,7 +599,8 @@ def test_a_data_top_config_is_measured_through_an_engine_serving_it(tiny_llama_d
     score table: ``guardrail threshold`` measures it through an engine serving it, and that
     engine's focus is Hugging Face's for the same rows (stats and terms recomputed there)."""
     from guardrail.offline.layouts import request_for
-    from guardrail.offline.row_scores import ScoringSettings, served_focus
+    from guardrail.offline.row_scores import ScoringSettings
+    from guardrail.offline.served import served_focus
     from guardrail.probe.prompts import prepare_prompt
     from tests.engine.test_hidden_state import expected_terms, hf_streams
     from tests.helpers import hf_head_stats, tiny_hidden_config

@@ -10,7 +10,9 @@ largest focus difference between the modes, row by row. No fit happens here.
 
     python benchmarks/detection_compiled.py [--bipia-dir ../shared/data/bipia] [--limit N]
 
-Writes benchmarks/results/detection_compiled_smollm2.{json,md}.
+Writes benchmarks/results/detection_compiled_smollm2.{json,md}. ``--config PATH`` serves
+another config (e.g. one ``guardrail calibrate`` just wrote), ``--modes eager`` one mode only,
+``--stem NAME`` names the result files.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from guardrail.offline.evaluation import markdown_table
 from guardrail.offline.layouts import request_for
 from guardrail.offline.transfer import measure
 from guardrail.offline.transfer_eval import test_sets, transfer_rows
-from guardrail.probe.config import load_model_config
+from guardrail.probe.config import load_model_config, read_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("eager", "compiled")
@@ -87,10 +89,18 @@ def main() -> None:
     parser.add_argument("--bipia-dir", type=Path, help="BIPIA's files: adds the held-out split")
     parser.add_argument("--limit", type=int, help="at most this many rows per set (a quick run)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--config", type=Path, help="serve this config (default: the shipped one)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--stem", default="detection_compiled_smollm2", help="result file stem")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    modes = tuple(args.modes)
 
-    config = load_model_config(str(embedded_model_path()), "combined")
+    config = (
+        read_model_config(args.config)
+        if args.config
+        else load_model_config(str(embedded_model_path()), "combined")
+    )
     assert config.threshold is not None
     threshold = float(config.threshold)
     split = ROOT / "docs" / "bipia_heldout_split.json"
@@ -106,37 +116,39 @@ def main() -> None:
         rows = limited
     sets = sorted({p.extra["corpus"] for p in rows})
     labels = np.array([p.label for p in rows])
-    served = {mode: serve(mode, rows, config) for mode in MODES}
-    focus = {mode: served[mode][0] for mode in MODES}
-    both = np.isfinite(focus["eager"]) & np.isfinite(focus["compiled"])
+    served = {mode: serve(mode, rows, config) for mode in modes}
+    focus = {mode: served[mode][0] for mode in modes}
+    first, last = focus[modes[0]], focus[modes[-1]]  # one mode: no difference to report
+    both = np.isfinite(first) & np.isfinite(last)
     result: dict[str, Any] = {
         "config": config.source,
         "threshold": config.threshold,
-        "seconds": {mode: round(served[mode][2], 1) for mode in MODES},
-        "errors": {mode: sorted({e for e in served[mode][1] if e}) for mode in MODES},
-        "max_focus_difference": float(np.max(np.abs(focus["eager"] - focus["compiled"])[both])),
+        "seconds": {mode: round(served[mode][2], 1) for mode in modes},
+        "errors": {mode: sorted({e for e in served[mode][1] if e}) for mode in modes},
+        "max_focus_difference": float(np.max(np.abs(first - last)[both])),
         "sets": {},
     }
     table: dict[str, dict[str, Any]] = {}
     for name in sets:
         member = np.array([p.extra["corpus"] == name for p in rows])
-        cells = {mode: scored(labels[member], focus[mode][member], threshold) for mode in MODES}
+        cells = {mode: scored(labels[member], focus[mode][member], threshold) for mode in modes}
         result["sets"][name] = cells
-        diff = np.abs(focus["eager"][member & both] - focus["compiled"][member & both])
-        table[name] = {"rows": str(cells["eager"]["rows"]), "max focus diff": f"{diff.max():.1e}"}
-        for mode in MODES:
+        diff = np.abs(first[member & both] - last[member & both])
+        table[name] = {"rows": str(cells[modes[0]]["rows"]), "max focus diff": f"{diff.max():.1e}"}
+        for mode in modes:
             area = cells[mode]["auroc"]
             table[name][f"AUROC {mode}"] = "n/a" if area is None else f"{area:.3f}"
             table[name][f"clean flagged {mode}"] = percent(cells[mode]["flagged_clean"])
             table[name][f"caught {mode}"] = percent(cells[mode]["caught"])
     columns = ["rows"] + [
-        f"{what} {mode}" for what in ("AUROC", "clean flagged", "caught") for mode in MODES
+        f"{what} {mode}" for what in ("AUROC", "clean flagged", "caught") for mode in modes
     ]
-    columns.append("max focus diff")
+    if len(modes) > 1:
+        columns.append("max focus diff")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "detection_compiled_smollm2.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{args.stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown_table(table, columns)
-    (args.out / "detection_compiled_smollm2.md").write_text(text + "\n")
+    (args.out / f"{args.stem}.md").write_text(text + "\n")
     print(text)
     print(f"largest focus difference eager vs compiled: {result['max_focus_difference']:.2e}")
 

@@ -34,7 +34,10 @@ About 55 min on 2 cores for the ~4,300 rows; cached in ``--states``:
         --bipia-dir ../shared/data/bipia
 
 Writes benchmarks/results/token_readout_smollm2.{json,md} and docs/img/token_readout_<set>.png.
-Nothing here is served yet: see docs/detection.md for what serving it takes.
+This is the offline study (Hugging Face features, one random draw of tokens across rows, the
+pool's own token standardisation). ``guardrail calibrate`` now fits the served read-out itself
+from the engine's streams (:mod:`guardrail.offline.token_fit`), with per-row seeded draws, so
+its numbers differ a little from these; docs/detection.md has both.
 """
 
 from __future__ import annotations

@@ -183,8 +183,11 @@ def calibrate_on_pool(
         token = fit_token_readout(
             pool, index, recipe, attention, last, means, means[0], top_logits_of, step
         )
-    columns = {} if token is None or token.column is None else {means[0]: token.column}
-    probes["combined"] = fit_probe(pool, "combined", index, recipe, attention, last, means, columns)
+    probes["combined"] = (
+        fit_probe(pool, "combined", index, recipe, attention, last, means)
+        if token is None
+        else token.probe  # fitted while choosing the read-out: with it, or without it
+    )
     step("pool fits")
     configs = {kind: _config(probe, shape, pool, dataset, recipe) for kind, probe in probes.items()}
     out_of_fold = {

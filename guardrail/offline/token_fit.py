@@ -31,6 +31,7 @@ from guardrail.offline.token_readout import (
     pooled,
 )
 from guardrail.offline.transfer import (
+    ProbeFit,
     ScoredPool,
     TransferRecipe,
     fit_probe,
@@ -51,6 +52,7 @@ class TokenReadoutFit:
     without it, and each source left out's column and its rows' pooled logits."""
 
     column: TokenColumn | None  # None: it did not beat the fit without it
+    probe: ProbeFit  # the combined fit with the chosen column, or without one
     cv: dict[str, float]  # "C=<c> k=<k>" -> combined CV AUROC; "none" -> without it
     left_out: dict[str, tuple[dict[int, TokenColumn], dict[int, np.ndarray]]]
     models: int  # token models fitted and scored
@@ -122,7 +124,7 @@ def fit_token_readout(
     step("token read-out pass")
     plain = fit_probe(pool, "combined", index, recipe, attention, last, means)
     cv = {"none": round(plain.fit.cv_auroc, 4)}
-    best: tuple[float, float, int] | None = None
+    best: tuple[ProbeFit, float, int] | None = None
     for c in TOKEN_C_GRID:
         for k in TOKEN_K_GRID:
             values = _out_of_fold(tops, plan, "pool", index, folds["pool"], c, k)
@@ -131,14 +133,13 @@ def fit_token_readout(
                 pool, "combined", index, recipe, attention, last, means, {layer: column}
             )
             cv[f"C={c:g} k={k}"] = round(fit.fit.cv_auroc, 4)
-            if fit.data_top and (best is None or fit.fit.cv_auroc > best[0] + 1e-4):
-                best = (fit.fit.cv_auroc, c, k)
+            if fit.data_top and (best is None or fit.fit.cv_auroc > best[0].fit.cv_auroc + 1e-4):
+                best = (fit, c, k)
         step(f"token C={c:g}")
-    if best is None or best[0] <= plain.fit.cv_auroc + 1e-4:
-        return TokenReadoutFit(None, cv, {}, len(plan.models))
-    _, c, k = best
-    values = _out_of_fold(tops, plan, "pool", index, folds["pool"], c, k)
-    chosen = TokenColumn(values, plan.models[plan.where[("pool", c, -1)]], k)
+    if best is None or best[0].fit.cv_auroc <= plain.fit.cv_auroc + 1e-4:
+        return TokenReadoutFit(None, plain, cv, {}, len(plan.models))
+    probe, c, k = best
+    chosen = probe.data_top[layer]
     left_out: dict[str, tuple[dict[int, TokenColumn], dict[int, np.ndarray]]] = {}
     for source in scopes:
         if source == "pool":
@@ -150,4 +151,4 @@ def fit_token_readout(
             {layer: TokenColumn(oof, plan.models[model], k)},
             {layer: pooled(tops[test, model], k)},
         )
-    return TokenReadoutFit(chosen, cv, left_out, len(plan.models))
+    return TokenReadoutFit(chosen, probe, cv, left_out, len(plan.models))

@@ -198,9 +198,9 @@ class _Collected:
 
 def _rows_that_fit(
     engine: Any, pairs: Sequence[LabelledPair], max_prompt_tokens: int | None
-) -> tuple[list[LabelledPair], list[dict[str, str]]]:
-    """(rows to score, rows skipped with the reason): the engine's rendering refuses some
-    rows; others are longer than ``max_prompt_tokens``."""
+) -> tuple[list[tuple[LabelledPair, Any]], list[dict[str, str]]]:
+    """(rows to score with their rendered prompts, rows skipped with the reason): the
+    engine's rendering refuses some rows; others are longer than ``max_prompt_tokens``."""
     todo, skipped = [], []
     for pair in pairs:
         try:
@@ -214,30 +214,30 @@ def _rows_that_fit(
             )
             skipped.append({"id": pair.id, "reason": reason})
             continue
-        todo.append(pair)
+        todo.append((pair, prepared))
     return todo, skipped
 
 
 def _score_chunk(
     engine: Any,
-    chunk: Sequence[LabelledPair],
+    chunk: Sequence[tuple[LabelledPair, Any]],
     collected: _Collected,
     skipped: list[dict[str, str]],
     token_samples: int,
 ) -> None:
-    """Score one batch of rows into ``collected`` (with sampled token streams when asked)."""
+    """Score one batch of rows (with their rendered prompts, ``_rows_that_fit``) into
+    ``collected``, with sampled token streams when asked."""
     from guardrail.offline.token_readout import sample_positions
 
-    requests = [request_for(p) for p in chunk]
+    requests = [request_for(p) for p, _ in chunk]
     if token_samples:
         positions: list[list[int] | None] = [
-            sample_positions(engine.prepare(r), p, engine.tokenizer, token_samples)
-            for p, r in zip(chunk, requests, strict=True)
+            sample_positions(prepared, p, engine.tokenizer, token_samples) for p, prepared in chunk
         ]
         outs = engine.score(requests, stream_positions=positions)
     else:
         positions, outs = [None] * len(chunk), engine.score(requests)
-    for pair, out, at in zip(chunk, outs, positions, strict=True):
+    for (pair, _), out, at in zip(chunk, outs, positions, strict=True):
         reason = collected.add(pair, out, at)
         if reason is not None:
             skipped.append({"id": pair.id, "reason": reason[:160]})

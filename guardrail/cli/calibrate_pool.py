@@ -96,6 +96,14 @@ def _check_report_place(report: Path) -> None:
         )
 
 
+def _token_device() -> str | None:
+    """Where the token models are fitted: the GPU when there is one (seconds a model), else
+    scikit-learn on the host (what made the shipped configs)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else None
+
+
 def run_pool(args: argparse.Namespace, engine: Any) -> int:
     """Without ``--data``: both configs of the pool recipe and their report (module doc)."""
     model, default_id = resolve_model(args.model)
@@ -141,6 +149,7 @@ def run_pool(args: argparse.Namespace, engine: Any) -> int:
             recipe,
             progress,
             top_logits_of if settings.token_samples else None,
+            _token_device(),
         )
     fit_seconds = time.perf_counter() - started
     report = args.report or args.out / f"{stem}.report.json"

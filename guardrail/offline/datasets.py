@@ -516,8 +516,10 @@ class ScoreTable:
         # written beside it and renamed: a run stopped while saving leaves the last save whole
         target = Path(path)
         partial = target.with_name(target.name + ".partial")
+        # not compressed: the sampled token streams are most of it and do not compress, and
+        # compressing them took minutes at a 2,048-wide stream (the H200, 2026-12-05)
         with partial.open("wb") as handle:
-            np.savez_compressed(handle, **arrays)  # type: ignore[arg-type]
+            np.savez(handle, **arrays)  # type: ignore[arg-type]
         partial.replace(target)
 
     @classmethod

@@ -160,12 +160,15 @@ def calibrate_on_pool(
     recipe: TransferRecipe,
     progress: Callable[[str], None] | None = None,
     top_logits_of: TopLogits | None = None,
+    token_device: str | None = None,
 ) -> PoolCalibration:
     """Both probes fitted on ``pool``'s calibration rows by ``recipe``, their configs, and the
     leave-one-source-out measurements. ``dataset`` describes the rows (the configs record it
     after their count: "<n> rows of <dataset>"); ``progress(step)`` is called after each fit.
     ``top_logits_of`` (the token read-out's second pass) tries the token read-out when the
-    scores hold sampled token streams of the data-mean layer."""
+    scores hold sampled token streams of the data-mean layer; ``token_device``: where its token
+    models are fitted (None: scikit-learn on the host;
+    :func:`guardrail.offline.token_readout.fit_tokens`)."""
     step = progress or (lambda _: None)
     index = pool.calibration
     if len(set(pool.labels[index].tolist())) < 2:
@@ -181,7 +184,7 @@ def calibrate_on_pool(
     token = None
     if top_logits_of is not None and means and means[0] in pool.table.tokens:
         token = fit_token_readout(
-            pool, index, recipe, attention, last, means, means[0], top_logits_of, step
+            pool, index, recipe, attention, last, means, means[0], top_logits_of, step, token_device
         )
     probes["combined"] = (
         fit_probe(pool, "combined", index, recipe, attention, last, means)

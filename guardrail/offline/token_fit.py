@@ -73,6 +73,7 @@ def _fit_all(
     folds: dict[str, np.ndarray],
     layer: int,
     progress: Callable[[str], None],
+    device: str | None,
 ) -> _Plan:
     plan = _Plan([], {})
     for scope, rows in scopes.items():
@@ -80,7 +81,8 @@ def _fit_all(
             for fold in [*np.unique(folds[scope]).tolist(), -1]:
                 train = rows if fold == -1 else rows[folds[scope] != fold]
                 plan.where[(scope, c, fold)] = len(plan.models)
-                plan.models.append(fit_token_model(pool.table, train, pool.labels, layer, c))
+                model = fit_token_model(pool.table, train, pool.labels, layer, c, device)
+                plan.models.append(model)
         progress(f"token models ({scope})")
     return plan
 
@@ -106,9 +108,11 @@ def fit_token_readout(
     layer: int,
     top_logits_of: TopLogits,
     progress: Callable[[str], None] | None = None,
+    device: str | None = None,
 ) -> TokenReadoutFit:
     """The token read-out of ``layer`` for the combined probe on calibration rows ``index``
-    (module doc): ``attention``, ``last`` and ``means`` are the combined fit's other inputs."""
+    (module doc): ``attention``, ``last`` and ``means`` are the combined fit's other inputs;
+    ``device``: where the token models are fitted (:func:`fit_tokens`)."""
     step = progress or (lambda _: None)
     scopes = {"pool": index}
     for source in sorted(set(pool.corpus[index].tolist())):
@@ -119,7 +123,7 @@ def fit_token_readout(
         scope: group_folds(pool.groups(rows), recipe.folds, recipe.seed)
         for scope, rows in scopes.items()
     }
-    plan = _fit_all(pool, scopes, folds, layer, step)
+    plan = _fit_all(pool, scopes, folds, layer, step, device)
     tops = top_logits_of(plan.models)
     step("token read-out pass")
     plain = fit_probe(pool, "combined", index, recipe, attention, last, means)

@@ -81,26 +81,80 @@ class TokenModel:
         return np.asarray(streams, dtype=np.float64) @ self.coef + self.intercept
 
 
-def fit_tokens(x: np.ndarray, y: np.ndarray, layer: int, c: float) -> TokenModel:
+def fit_tokens(
+    x: np.ndarray, y: np.ndarray, layer: int, c: float, device: str | None = None
+) -> TokenModel:
     """An L2 logistic model on standardised streams ``x [tokens, hidden]``, folded back to the
-    raw stream (``coef / std``, the mean into the intercept)."""
-    from sklearn.linear_model import LogisticRegression
+    raw stream (``coef / std``, the mean into the intercept).
 
-    x = np.asarray(x, dtype=np.float64)
-    mean, std = x.mean(0), x.std(0) + 1e-6
-    fit = LogisticRegression(C=c, max_iter=3000).fit((x - mean) / std, y)
-    coef = fit.coef_[0] / std
-    return TokenModel(layer, coef, float(fit.intercept_[0] - mean @ coef), c)
+    ``device``: None fits with scikit-learn on the host (what the shipped configs were made
+    with); a torch device (``"cuda"``) minimises the same objective with torch's L-BFGS there,
+    which on a GPU takes seconds where the host takes minutes per model at a 2,048-wide stream.
+    """
+    if device is None:
+        from sklearn.linear_model import LogisticRegression
+
+        x = np.asarray(x, dtype=np.float64)
+        mean, std = x.mean(0), x.std(0) + 1e-6
+        fit = LogisticRegression(C=c, max_iter=3000).fit((x - mean) / std, y)
+        weights, bias = fit.coef_[0], float(fit.intercept_[0])
+    else:
+        weights, bias, mean, std = _fit_torch(x, y, c, device)
+    coef = weights / std
+    return TokenModel(layer, coef, float(bias - mean @ coef), c)
+
+
+def _fit_torch(
+    x: np.ndarray, y: np.ndarray, c: float, device: str
+) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+    """scikit-learn's L2 logistic objective, ``mean(log(1 + exp(-s z))) + |w|^2 / (2 C n)`` on
+    the standardised streams, by L-BFGS on ``device`` in float64 (to a gradient of 1e-6, where
+    scikit-learn stops at 1e-4): weights, bias, and the streams' mean and std."""
+    import torch
+
+    z = torch.as_tensor(np.ascontiguousarray(x), device=device).double()
+    mean = z.mean(0)
+    std = z.std(0, correction=0) + 1e-6
+    z.sub_(mean).div_(std)
+    sign = torch.as_tensor(np.asarray(y), device=device).double().mul_(2).sub_(1)
+    n, width = z.shape
+    params = torch.zeros(width + 1, dtype=torch.float64, device=device, requires_grad=True)
+    solver = torch.optim.LBFGS(
+        [params], max_iter=3000, tolerance_grad=1e-6, line_search_fn="strong_wolfe"
+    )
+
+    def loss() -> torch.Tensor:
+        solver.zero_grad()
+        logits = z @ params[:-1] + params[-1]
+        value = torch.nn.functional.softplus(-sign * logits).mean()
+        value = value + params[:-1].square().sum() / (2 * c * n)
+        value.backward()
+        return value
+
+    solver.step(loss)
+    found = params.detach().cpu().numpy()
+    return found[:-1], float(found[-1]), mean.cpu().numpy(), std.cpu().numpy()
 
 
 def fit_token_model(
-    table: ScoreTable, rows: np.ndarray, labels: np.ndarray, layer: int, c: float
+    table: ScoreTable,
+    rows: np.ndarray,
+    labels: np.ndarray,
+    layer: int,
+    c: float,
+    device: str | None = None,
 ) -> TokenModel:
     """:func:`fit_tokens` on the sampled tokens of ``rows`` of ``table`` (each token labelled
     with its row: an injected row's samples are its attack text's tokens)."""
-    parts = [table.row_tokens(layer, int(i)) for i in rows]
-    y = np.concatenate([np.full(len(p), labels[i]) for p, i in zip(parts, rows, strict=True)])
-    return fit_tokens(np.concatenate(parts), y.astype(int), layer, c)
+    assert table.token_offsets is not None
+    offsets = table.token_offsets
+    rows = np.asarray(rows, dtype=np.int64)
+    counts = offsets[rows + 1] - offsets[rows]
+    # every sample of every row, in row order: one gather instead of a copy per row
+    starts = np.repeat(offsets[rows] - np.r_[0, np.cumsum(counts)[:-1]], counts)
+    samples = starts + np.arange(int(counts.sum()))
+    y = np.repeat(labels[rows], counts).astype(int)
+    return fit_tokens(table.tokens[layer][samples], y, layer, c, device)
 
 
 def top_logits(streams: np.ndarray, models: Sequence[TokenModel], top: int = TOP) -> np.ndarray:

@@ -1,0 +1,62 @@
+"""The token models' two fitters minimise the same objective: torch's L-BFGS (what a GPU
+calibration uses) reaches scikit-learn's optimum or a lower point of the same objective, and
+``fit_token_model`` gathers exactly each row's own samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from guardrail.offline.datasets import ScoreTable
+from guardrail.offline.token_readout import TokenModel, fit_token_model, fit_tokens
+
+
+def _data(n: int = 4000, width: int = 48) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x = rng.normal(0, 1, (n, width)) * rng.uniform(0.2, 3, width) + rng.normal(0, 2, width)
+    y = (x @ rng.normal(0, 1, width) / 8 + rng.logistic(0, 1, n) > 0).astype(int)
+    return x.astype(np.float32), y
+
+
+def _objective(model: TokenModel, x: np.ndarray, y: np.ndarray) -> float:
+    """scikit-learn's L2 logistic objective at ``model``, on the standardised streams."""
+    std = x.astype(np.float64).std(0) + 1e-6
+    weights = model.coef * std
+    margin = (2 * y - 1) * model.logits(x)
+    return float(np.logaddexp(0, -margin).mean() + weights @ weights / (2 * model.c * len(y)))
+
+
+@pytest.mark.parametrize("c", [0.01, 0.2])
+def test_torch_reaches_scikit_learns_optimum(c: float) -> None:
+    x, y = _data()
+    host = fit_tokens(x, y, layer=3, c=c)
+    torch_fit = fit_tokens(x, y, layer=3, c=c, device="cpu")
+    assert _objective(torch_fit, x, y) <= _objective(host, x, y) + 1e-9
+    spread = np.ptp(host.logits(x))
+    assert np.abs(torch_fit.logits(x) - host.logits(x)).max() < 2e-3 * spread
+    assert (torch_fit.layer, torch_fit.c) == (3, c)
+
+
+def test_a_models_samples_are_its_rows_own() -> None:
+    x, _ = _data(60, 5)
+    counts = [7, 0, 13, 9, 31]
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    table = ScoreTable(
+        "m",
+        [(0, 0)],
+        list("abcde"),
+        np.zeros((5, 1, 5)),
+        np.arange(5),
+        np.arange(5),
+        tokens={4: x},
+        token_offsets=offsets,
+    )
+    labels = np.array([0, 1, 1, 0, 1])
+    rows = np.array([4, 0, 2])
+    fitted = fit_token_model(table, rows, labels, layer=4, c=0.05)
+    parts = [x[offsets[r] : offsets[r + 1]] for r in rows]
+    expected = fit_tokens(
+        np.concatenate(parts), np.repeat(labels[rows], [len(p) for p in parts]), 4, 0.05
+    )
+    np.testing.assert_array_equal(fitted.coef, expected.coef)
+    assert fitted.intercept == expected.intercept

@@ -49,7 +49,7 @@ def main() -> None:
         args.model,
         [policies.BLOCK_INJECTIONS, policies.SUSPICIOUS],
         probe_config=args.probe_config,
-        enforce_eager=True,  # quick start-up; compiled mode reads the attention-only config
+        enforce_eager=True,  # quick start-up; compiled engines read the same config
         max_model_len=2048,
     ) as llm:
         status("engine ready; generating")

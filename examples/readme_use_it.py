@@ -28,7 +28,7 @@ def use_it(model: str | None = None, probe_config: str | None = None) -> None:
         model,  # None: the embedded SmolLM2-135M-Instruct
         policies.TIERED,  # block at the model's calibrated threshold, flag a band above it
         probe_config=probe_config,  # None: the shipped one (eager engine: "combined")
-        enforce_eager=True,  # CPU default anyway; compiled mode reads the attention-only config
+        enforce_eager=True,  # the CPU default anyway; compiled engines read the same config
     ) as llm:
         results = llm.generate(
             [(TASK, BENIGN), (TASK, INJECTED)],  # (trusted instruction, untrusted data)

@@ -517,7 +517,7 @@ class ScoreTable:
         target = Path(path)
         partial = target.with_name(target.name + ".partial")
         # not compressed: the sampled token streams are most of it and do not compress, and
-        # compressing them took minutes at a 2,048-wide stream (the H200, 2026-12-05)
+        # compressing 4 GB of them took minutes at a 2,048-wide stream (the H200, 2026-12-05)
         with partial.open("wb") as handle:
             np.savez(handle, **arrays)  # type: ignore[arg-type]
         partial.replace(target)

@@ -112,7 +112,8 @@ def _fit_torch(
     scikit-learn stops at 1e-4): weights, bias, and the streams' mean and std."""
     import torch
 
-    z = torch.as_tensor(np.ascontiguousarray(x), device=device).double()
+    # moved in the stored dtype, widened there; a copy, never the caller's array
+    z = torch.from_numpy(np.ascontiguousarray(x)).to(device).to(torch.float64, copy=True)
     mean = z.mean(0)
     std = z.std(0, correction=0) + 1e-6
     z.sub_(mean).div_(std)

@@ -60,3 +60,11 @@ def test_a_models_samples_are_its_rows_own() -> None:
     )
     np.testing.assert_array_equal(fitted.coef, expected.coef)
     assert fitted.intercept == expected.intercept
+
+
+def test_the_torch_fit_leaves_the_callers_streams_alone() -> None:
+    x, y = _data(500, 6)
+    x = x.astype(np.float64)
+    before = x.copy()
+    fit_tokens(x, y, layer=0, c=0.1, device="cpu")
+    np.testing.assert_array_equal(x, before)

@@ -97,8 +97,8 @@ def _check_report_place(report: Path) -> None:
 
 
 def _token_device() -> str | None:
-    """Where the token models are fitted: the GPU when there is one (seconds a model), else
-    scikit-learn on the host (what made the shipped configs)."""
+    """Where the token models are fitted: the GPU when there is one, else scikit-learn on the
+    host (what made the shipped configs)."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else None

@@ -497,6 +497,15 @@ class ScoreTable:
         start, end = self.token_offsets[row], self.token_offsets[row + 1]
         return self.tokens[layer][start:end].astype(np.float32)
 
+    def token_index(self, rows: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where the sampled tokens of ``rows`` are in ``tokens[layer]``, row after row, and
+        each row's count."""
+        assert self.token_offsets is not None
+        picked = np.asarray(rows, dtype=np.int64)
+        counts = self.token_offsets[picked + 1] - self.token_offsets[picked]
+        first = np.repeat(self.token_offsets[picked] - (np.cumsum(counts) - counts), counts)
+        return first + np.arange(int(counts.sum()), dtype=np.int64), counts
+
     def save(self, path: str | Path) -> None:
         skipped = sorted(self.skipped.items())
         arrays = {
@@ -568,10 +577,8 @@ class ScoreTable:
         tokens: dict[int, np.ndarray] = {}
         offsets = None
         if self.token_offsets is not None:
-            starts, ends = self.token_offsets[list(rows)], self.token_offsets[1:][list(rows)]
-            offsets = np.r_[0, np.cumsum(ends - starts)].astype(np.int64)
-            spans = [np.arange(a, b) for a, b in zip(starts, ends, strict=True)]
-            at = np.concatenate(spans).astype(np.int64) if spans else np.zeros(0, np.int64)
+            at, counts = self.token_index(rows)
+            offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
             tokens = {layer: v[at] for layer, v in self.tokens.items()}
         return ScoreTable(
             self.model,

@@ -148,13 +148,7 @@ def fit_token_model(
 ) -> TokenModel:
     """:func:`fit_tokens` on the sampled tokens of ``rows`` of ``table`` (each token labelled
     with its row: an injected row's samples are its attack text's tokens)."""
-    assert table.token_offsets is not None
-    offsets = table.token_offsets
-    rows = np.asarray(rows, dtype=np.int64)
-    counts = offsets[rows + 1] - offsets[rows]
-    # every sample of every row, in row order: one gather instead of a copy per row
-    starts = np.repeat(offsets[rows] - np.r_[0, np.cumsum(counts)[:-1]], counts)
-    samples = starts + np.arange(int(counts.sum()))
+    samples, counts = table.token_index(rows)  # one gather, not a copy per row
     y = np.repeat(labels[rows], counts).astype(int)
     return fit_tokens(table.tokens[layer][samples], y, layer, c, device)
 

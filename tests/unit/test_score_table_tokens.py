@@ -38,3 +38,12 @@ def test_token_streams_follow_their_rows(tmp_path):
     loaded = ScoreTable.load(tmp_path / "t.npz")
     for row in range(3):
         np.testing.assert_array_equal(loaded.row_tokens(4, row), table.row_tokens(4, row))
+
+
+def test_token_index_is_each_rows_own_span():
+    table = _table(["a", "b", "c", "d"], [2, 0, 3, 1], 0.0)
+    at, counts = table.token_index([2, 1, 0, 3])
+    assert counts.tolist() == [3, 0, 2, 1]
+    assert at.tolist() == [2, 3, 4, 0, 1, 5]
+    at, counts = table.token_index([])
+    assert at.dtype == np.int64 and len(at) == 0 and len(counts) == 0

@@ -48,9 +48,10 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else None
     cases = [(w, device, c) for w in args.widths for c in TOKEN_C_GRID]
     cases += [(w, None, c) for w in args.host_widths for c in TOKEN_C_GRID if device is not None]
+    data = {w: samples(args.rows, args.per_row, w) for w in sorted({w for w, _, _ in cases})}
     results = []
     for width, where, c in tqdm(cases, desc="token fits", unit="fit"):
-        x, y = samples(args.rows, args.per_row, width)
+        x, y = data[width]
         start = time.perf_counter()
         model = fit_tokens(x, y, layer=0, c=c, device=where)
         if where == "cuda":

@@ -67,9 +67,12 @@ case $step in
     model=$(python3 -c "from pathlib import Path; from guardrail.testing.dummy_models import \
 build_dummy_model; print(build_dummy_model('$shape', Path('/tmp/guardrail-bench')))")
     start=$(date +%s.%N)
-    python3 -m guardrail.cli calibrate --model "$model" --out "$out/calibrate_$shape" \
+    # the score cache on the machine's disk: a rerun of the step in the same lease resumes
+    # after scoring if the first ran out of time in the fits
+    PYTHONUNBUFFERED=1 timeout 570 python3 -m guardrail.cli calibrate --model "$model" \
+      --out "$out/calibrate_$shape" --scores-cache "/tmp/calibrate_$shape.npz" \
       --engine-arg load_format=dummy --engine-arg num_gpu_blocks_override=4096 \
-      --batch-size 64 2>&1 | quiet | tr '\r' '\n' | tail -25
+      --batch-size 64 2>&1 | quiet | tr '\r' '\n' | grep -v "^$" | tee "$out/calibrate_$shape.log" | tail -40
     echo "calibrate $shape: $(python3 -c "import time; print(round(time.time() - $start, 1))") s \
 wall, engine start included" | tee "$out/calibrate_$shape.time" ;;
   tokenfit) python3 benchmarks/token_fit_speed.py --widths 2048 4096 \

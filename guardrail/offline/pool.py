@@ -34,6 +34,7 @@ from guardrail.offline.layouts import with_drawn_layouts
 __all__ = [
     "PoolManifest",
     "PoolSource",
+    "added_rows",
     "load_pool",
     "pool_directory",
     "pool_summary",
@@ -148,6 +149,36 @@ def load_pool(
         if not labelled:
             raise ConfigError(f"pool source {source.name}: rows without labels")
         rows += with_drawn_layouts(tag_corpus(pairs, source.name), more_layouts)
+    return rows
+
+
+def added_rows(paths: Sequence[str | Path], more_layouts: int = 1) -> list[LabelledPair]:
+    """Labelled rows of your own to calibrate on next to the pool's (``guardrail calibrate
+    --add-data``): each row's source is its ``corpus`` field, else its file's stem (a row whose
+    ``corpus`` names a pool source joins that source: its ``source`` then names the pool
+    row's group it belongs with), tagged and rendered in ``pair`` plus ``more_layouts`` drawn
+    layouts like the pool's own rows (:func:`load_pool`).
+
+    Example:
+        >>> rows = added_rows(["my_tool_outputs.jsonl"])  # doctest: +SKIP
+        >>> rows[0].extra["corpus"], rows[0].extra["layout"]  # doctest: +SKIP
+        ('my_tool_outputs', 'pair')
+    """
+    rows: list[LabelledPair] = []
+    for path in map(Path, paths):
+        pairs, labelled = load_pairs(path)
+        if not labelled:
+            raise ConfigError(
+                f"--add-data {path}: rows without labels; label every row (0 clean, 1 injected)"
+            )
+        by_source: dict[str, list[LabelledPair]] = {}
+        for pair in pairs:
+            corpus = pair.extra.get("corpus", path.stem)
+            if not isinstance(corpus, str) or not corpus:
+                raise ConfigError(f"--add-data {path}: row {pair.id}: 'corpus' must be a name")
+            by_source.setdefault(corpus, []).append(pair)
+        for corpus, group in by_source.items():
+            rows += with_drawn_layouts(tag_corpus(group, corpus), more_layouts)
     return rows
 
 

@@ -69,6 +69,14 @@ def _pool_rows(args: argparse.Namespace) -> tuple[list[LabelledPair], str]:
     if args.max_groups_per_task:
         text += f", at most {args.max_groups_per_task} source contexts per task (seed {args.seed})"
     if added:
+        taken = {p.id for p in pairs}
+        clash = next((p.id for p in added if p.id in taken), None)
+        if clash is not None:
+            source, row = clash.split(":", 1)
+            raise ConfigError(
+                f"--add-data row {row.rsplit('~', 1)[0]!r} of source {source} has the id of a "
+                "pool row: give it another 'id'"
+            )
         files = ", ".join(Path(p).name for p in args.add_data)
         text += f", plus {len(added)} rows added from {files} (--add-data)"
     return pairs + added, text

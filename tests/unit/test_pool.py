@@ -201,6 +201,14 @@ def test_added_rows_join_the_pool_as_its_own_rows_do(tmp_path, capsys):
     assert "plus 6 rows added from my_tool_outputs.jsonl (--add-data)" in text
     assert "added from" in capsys.readouterr().out
 
+    clash = tmp_path / "clash.jsonl"
+    pool_row = load_pool(["diverse"], more_layouts=0)[0]
+    own_id = pool_row.id.split(":", 1)[1].rsplit("~", 1)[0]  # less the layout suffix
+    clash.write_text(json.dumps({**rows[2], "id": own_id}) + "\n")
+    args.add_data = [clash]
+    with pytest.raises(ConfigError, match="has the id of a pool row"):
+        _pool_rows(args)
+
     unlabelled = tmp_path / "clean.jsonl"
     unlabelled.write_text(json.dumps({"instruction": "Q", "data": "d"}) + "\n")
     with pytest.raises(ConfigError, match="rows without labels"):

@@ -34,9 +34,9 @@ import numpy as np
 from guardrail.embedded import embedded_model_path
 from guardrail.offline.calibration import retarget_threshold
 from guardrail.offline.datasets import load_pairs, pairs_sha256
-from guardrail.offline.evaluation import auroc
 from guardrail.offline.row_scores import ScoringSettings
 from guardrail.offline.served import served_focus
+from guardrail.offline.transfer import measure
 from guardrail.probe.config import read_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,14 +54,10 @@ def shown(path: Path) -> str:
     return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
-def rates(focus: np.ndarray, labels: np.ndarray, threshold: float) -> dict[str, float]:
-    """Share of clean rows flagged and of injected rows caught (focus <= threshold)."""
-    flagged = focus <= threshold
-    return {
-        "threshold": round(float(threshold), 6),
-        "clean_flagged": round(float(flagged[labels == 0].mean()), 4),
-        "injected_caught": round(float(flagged[labels == 1].mean()), 4),
-    }
+def rates(focus: np.ndarray, labels: np.ndarray, threshold: float) -> dict[str, Any]:
+    """The library's :func:`~guardrail.offline.transfer.measure` at ``threshold`` (AUROC, clean
+    rows flagged, injections caught), with the threshold."""
+    return {"threshold": round(float(threshold), 6), **measure(labels, focus, threshold)}
 
 
 def own_traffic(
@@ -143,14 +139,10 @@ def main() -> None:
         "rows_sha256": pairs_sha256(pairs),
         "rows": len(pairs),
         "clean": int((labels == 0).sum()),
-        "auroc": round(auroc(labels, -focus), 4),
         "clean_focus_min": round(float(focus[labels == 0].min()), 4),
         "shipped": rates(focus, labels, config.threshold),
         "per_tool": {
-            tool: {
-                "auroc": round(auroc(labels[m], -focus[m]), 4),
-                **rates(focus[m], labels[m], config.threshold),
-            }
+            tool: rates(focus[m], labels[m], config.threshold)
             for tool in sorted(set(tools.tolist()))
             for m in [tools == tool]
         },
@@ -169,7 +161,7 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     own = float(np.mean([f["threshold"] for f in folds]))
     plot(focus, labels, config.threshold, own, args.png)
-    print(json.dumps({k: result[k] for k in ("auroc", "shipped", "own_traffic_threshold")}))
+    print(json.dumps({k: result[k] for k in ("shipped", "own_traffic_threshold")}))
     print(f"wrote {args.out} and {args.png}")
 
 

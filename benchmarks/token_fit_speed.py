@@ -53,7 +53,7 @@ def main() -> None:
     for width, where, c in tqdm(cases, desc="token fits", unit="fit"):
         x, y = data[width]
         start = time.perf_counter()
-        model = fit_tokens(x, y, layer=0, c=c, device=where)
+        model = fit_tokens(x, y, layers=(0,), c=c, device=where)
         if where == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

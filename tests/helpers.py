@@ -146,8 +146,9 @@ def tiny_hidden_config(hidden_size: int = 128):  # type: ignore[no-untyped-def]
     """A logistic probe over every head of tiny Llama plus random sparse read-outs of the
     hidden state (12 of its ``hidden_size`` coordinates each): at the last prompt token on
     layers 1 and 2, averaged over the data tokens on layers 2 and 3 (layer 2 reads both), and
-    the mean of the 3 highest per-token values over the data tokens on layer 3 (so layer 3
-    keeps two data memos)."""
+    a token read-out over layers 1 and 3: the mean of the 3 highest per-token sums of their
+    values over the data tokens (so layer 3 keeps two data memos, and its term holds layer
+    1's token values too)."""
     import numpy as np
 
     from guardrail.probe.config import HiddenLayerProbe, ModelProbeConfig
@@ -166,6 +167,7 @@ def tiny_hidden_config(hidden_size: int = 128):  # type: ignore[no-untyped-def]
         )
         for layer, position in (
             (1, "last"),
+            (1, "data_top"),
             (2, "last"),
             (2, "data_mean"),
             (3, "data_mean"),

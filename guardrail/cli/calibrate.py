@@ -144,6 +144,13 @@ def _add_fit_arguments(parser: argparse.ArgumentParser) -> None:
         "data tokens) is fitted on this many sampled token streams per row, and scored in a "
         "second pass; 0 leaves it out (default 48)",
     )
+    group.add_argument(
+        "--token-layers",
+        type=int,
+        default=3,
+        help="without --data: how many layers the token read-out reads at each data token: "
+        "the data-mean layer, then the candidate layers ranked best (default 3)",
+    )
 
 
 def _layer_budget(text: str) -> int | str:

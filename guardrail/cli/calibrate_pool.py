@@ -89,7 +89,9 @@ def _pool_recipe(args: argparse.Namespace, shape: ModelShape) -> TransferRecipe:
         recipe = replace(recipe, hidden_candidates=tuple(args.hidden_layers))
     if args.data_mean_layers:
         recipe = replace(recipe, data_mean_layers=tuple(args.data_mean_layers))
-    return replace(recipe, target_fpr=args.target_fpr)
+    if args.token_layers < 1:
+        raise ConfigError(f"--token-layers must be at least 1, got {args.token_layers}")
+    return replace(recipe, target_fpr=args.target_fpr, token_layers=args.token_layers)
 
 
 def _pool_settings(args: argparse.Namespace, recipe: TransferRecipe) -> ScoringSettings:

@@ -4,7 +4,7 @@ Pure functions over what the serving probe measured for labelled rows: per-head 
 ``[rows, heads, 5]``, the residual stream at the last prompt token of a few decoder layers
 (``{layer: [rows, hidden_size]}``) and, optionally, the stream averaged over the data tokens
 (``data_mean``, same shape; read-outs with ``position="data_mean"``) and a token-level
-read-out's pooled logit (``data_top``: one column per layer,
+read-out's pooled logit (``data_top``: one column per token model, keyed by its last layer,
 :class:`~guardrail.offline.token_readout.TokenColumn`). Every column is
 standardised, one L1-penalised logistic regression predicts injection from all of them (the
 penalty keeps few heads and few hidden coordinates), and the fit becomes a
@@ -166,7 +166,7 @@ def _hidden_parts(
         dims = np.flatnonzero(np.abs(lw) > 1e-9)
         if len(dims) and position == "data_top":
             column = (data_top or {})[layer]
-            parts.append(column.part(float(lw[0]), float(mean[offset]), float(std[offset])))
+            parts += column.parts(float(lw[0]), float(mean[offset]), float(std[offset]))
         elif len(dims):
             parts.append(
                 HiddenLayerProbe(

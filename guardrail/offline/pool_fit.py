@@ -51,6 +51,7 @@ __all__ = [
     "ModelShape",
     "PoolCalibration",
     "calibrate_on_pool",
+    "token_read_layers",
 ]
 
 WRITER = "guardrail calibrate"
@@ -113,10 +114,12 @@ def _source_text(probe: ProbeFit) -> str:
         text += f" and the residual stream at the last prompt token of layers {layers}"
     if probe.data_mean_layers:
         text += f" and averaged over the data tokens of layers {list(probe.data_mean_layers)}"
-    for layer, column in sorted(probe.data_top.items()):
+    for _, column in sorted(probe.data_top.items()):
+        token = column.model.layers
+        read = f"layer {token[0]}" if len(token) == 1 else f"layers {list(token)}"
         text += (
-            f" and a token model's {column.top_k} highest logits over the data tokens of layer "
-            f"{layer} (C={column.model.c:g})"
+            f" and a token model's {column.top_k} highest logits over the data tokens of {read} "
+            f"(C={column.model.c:g})"
         )
     return text + ", from the serving probe"
 
@@ -153,6 +156,24 @@ def _config(
     )
 
 
+def token_read_layers(
+    first: int, ranked: dict[int, float], sampled: set[int], count: int
+) -> tuple[int, ...]:
+    """The layers the token read-out reads (ascending): ``first`` (the data-mean layer), then
+    the candidate layers of the best hidden-only CV AUROC in ``ranked`` whose token streams
+    were sampled, ``count`` in all.
+
+    Example:
+        >>> token_read_layers(15, {13: 0.86, 15: 0.89, 18: 0.889, 21: 0.88}, {13, 15, 18, 21}, 3)
+        (15, 18, 21)
+    """
+    others = sorted(
+        (layer for layer in ranked if layer in sampled and layer != first),
+        key=lambda layer: (-ranked[layer], layer),
+    )
+    return tuple(sorted([first, *others[: max(count - 1, 0)]]))
+
+
 def calibrate_on_pool(
     pool: ScoredPool,
     shape: ModelShape,
@@ -183,8 +204,9 @@ def calibrate_on_pool(
     probes = {"attention": fit_probe(pool, "attention", index, recipe, attention)}
     token = None
     if top_logits_of is not None and means and means[0] in pool.table.tokens:
+        read = token_read_layers(means[0], layer_cv, set(pool.table.tokens), recipe.token_layers)
         token = fit_token_readout(
-            pool, index, recipe, attention, last, means, means[0], top_logits_of, step, token_device
+            pool, index, recipe, attention, last, means, read, top_logits_of, step, token_device
         )
     probes["combined"] = (
         fit_probe(pool, "combined", index, recipe, attention, last, means)

@@ -48,7 +48,11 @@ def _fit_summary(result: PoolCalibration, kind: str) -> dict[str, Any]:
         "hidden_dims_kept": {f"{p.layer} {p.position}": len(p.dims) for p in config.hidden or []},
         "per_source_threshold": {k: round(v, 6) for k, v in probe.per_source.items()},
         "data_top": {
-            str(layer): {"top_k": column.top_k, "c": column.model.c}
+            str(layer): {
+                "top_k": column.top_k,
+                "c": column.model.c,
+                "layers": list(column.model.layers),
+            }
             for layer, column in sorted(probe.data_top.items())
         },
     }
@@ -60,7 +64,12 @@ def _token_summary(result: PoolCalibration) -> dict[str, Any] | None:
     if token is None:
         return None
     chosen = None if token.column is None else [token.column.model.c, token.column.top_k]
-    return {"chosen": chosen, "models": token.models, "cv_auroc": token.cv}
+    return {
+        "chosen": chosen,
+        "layers": list(token.layers),
+        "models": token.models,
+        "cv_auroc": token.cv,
+    }
 
 
 def report_doc(
@@ -112,9 +121,10 @@ def _token_markdown(result: PoolCalibration) -> list[str]:
     cells = {name: {"cv_auroc": value} for name, value in token["cv_auroc"].items()}
     return [
         "## Token read-out\n",
-        f"A token model's k highest logits over the data tokens, one more column of the "
-        f"combined fit ({token['models']} token models: one per fold and one on all rows, of "
-        f"the pool and of each source left out, per C); chosen by the pool's grouped CV "
+        f"A token model's k highest logits over the data tokens (the streams of layers "
+        f"{token['layers']} at each token), one more column of the combined fit "
+        f"({token['models']} token models: one per fold and one on all rows, of the pool and "
+        f"of each source left out, per C); chosen by the pool's grouped CV "
         f"AUROC (`none`: without it): {verdict}.\n",
         markdown_table(cells, ["cv_auroc"]) + "\n",
     ]

@@ -36,28 +36,30 @@ def top_token_logits(
     cache: Path | None = None,
 ) -> np.ndarray:
     """``[rows, models, TOP]``: each token model's ``TOP`` highest logits over each row's data
-    tokens (descending, NaN past the row's data tokens), from every data token's stream
+    tokens (descending, NaN past the row's data tokens), from every data token's streams
     through the serving probe (:func:`guardrail.offline.token_readout.top_logits`). The
-    models read one layer; ``engine`` (None: one is started with that layer's streams, and
-    closed after) must keep its whole streams. ``cache`` keeps the result for these rows and
-    models (a digest of their numbers) between runs."""
+    models read the same layers; ``engine`` (None: one is started with those layers' streams,
+    and closed after) must keep their whole streams. ``cache`` keeps the result for these rows
+    and models (a digest of their numbers) between runs."""
     keys = [content_key(p) for p in pairs]
     digest = models_sha256(models)
     if cache is not None and cache.exists():
         with np.load(cache) as held:
             if str(held["models"]) == digest and held["keys"].tolist() == keys:
                 return np.asarray(held["tops"])
-    layers = sorted({m.layer for m in models})
-    if len(layers) != 1:
-        raise ConfigError(f"token models of one layer only, not of layers {layers}")
-    layer = layers[0]
+    read = sorted({m.layers for m in models})
+    if len(read) != 1:
+        raise ConfigError(f"token models of the same layers only, not of layers {read}")
+    layers = read[0]
     own = engine is None
     if own:
         engine = open_engine(
-            model, [(0, 0)], replace(settings, hidden_layers=(), data_mean_layers=(layer,))
+            model, [(0, 0)], replace(settings, hidden_layers=(), data_mean_layers=layers)
         )
-    elif layer not in getattr(engine, "probe_data_mean_layers", []):
-        raise ConfigError(f"the engine does not keep layer {layer}'s whole streams")
+    else:
+        lacking = sorted(set(layers) - set(getattr(engine, "probe_data_mean_layers", [])))
+        if lacking:
+            raise ConfigError(f"the engine does not keep the whole streams of layers {lacking}")
     tops = np.full((len(pairs), len(models), TOP), np.nan)
     try:
         bar = tqdm(total=len(pairs), desc="token read-out", unit="row", disable=not pairs)
@@ -70,7 +72,12 @@ def top_token_logits(
             outs = engine.score(requests, stream_positions=positions)
             for j, (pair, out) in enumerate(zip(chunk, outs, strict=True)):
                 probe = out.probe
-                states = None if probe is None else probe.token_states.get(layer)
+                held = {} if probe is None else probe.token_states
+                states = (
+                    np.concatenate([held[layer] for layer in layers], axis=1)
+                    if all(layer in held for layer in layers)
+                    else None
+                )
                 if out.error is not None or probe is None or probe.error or states is None:
                     why = out.error or (probe.error if probe else "no probe result")
                     raise GuardrailError(f"token read-out: row {pair.id} was not scored: {why}")

@@ -29,6 +29,7 @@ from guardrail.offline.token_readout import (
     TokenModel,
     fit_token_model,
     pooled,
+    token_layers,
 )
 from guardrail.offline.transfer import (
     ProbeFit,
@@ -56,6 +57,7 @@ class TokenReadoutFit:
     cv: dict[str, float]  # "C=<c> k=<k>" -> combined CV AUROC; "none" -> without it
     left_out: dict[str, tuple[dict[int, TokenColumn], dict[int, np.ndarray]]]
     models: int  # token models fitted and scored
+    layers: tuple[int, ...] = ()  # the layers the token models read
 
 
 @dataclass
@@ -71,7 +73,7 @@ def _fit_all(
     pool: ScoredPool,
     scopes: dict[str, np.ndarray],
     folds: dict[str, np.ndarray],
-    layer: int,
+    layers: tuple[int, ...],
     progress: Callable[[str], None],
     device: str | None,
 ) -> _Plan:
@@ -81,7 +83,7 @@ def _fit_all(
             for fold in [*np.unique(folds[scope]).tolist(), -1]:
                 train = rows if fold == -1 else rows[folds[scope] != fold]
                 plan.where[(scope, c, fold)] = len(plan.models)
-                model = fit_token_model(pool.table, train, pool.labels, layer, c, device)
+                model = fit_token_model(pool.table, train, pool.labels, layers, c, device)
                 plan.models.append(model)
         progress(f"token models ({scope})")
     return plan
@@ -105,15 +107,19 @@ def fit_token_readout(
     attention: Sequence[int],
     last: Sequence[int],
     means: Sequence[int],
-    layer: int,
+    layers: Sequence[int],
     top_logits_of: TopLogits,
     progress: Callable[[str], None] | None = None,
     device: str | None = None,
 ) -> TokenReadoutFit:
-    """The token read-out of ``layer`` for the combined probe on calibration rows ``index``
-    (module doc): ``attention``, ``last`` and ``means`` are the combined fit's other inputs;
-    ``device``: where the token models are fitted (:func:`fit_tokens`)."""
+    """The token read-out of ``layers`` (their streams at each data token side by side) for
+    the combined probe on calibration rows ``index`` (module doc): ``attention``, ``last`` and
+    ``means`` are the combined fit's other inputs; ``device``: where the token models are
+    fitted (:func:`fit_tokens`). The read-out's column is keyed by its last layer, where the
+    serving probe adds its term."""
     step = progress or (lambda _: None)
+    chosen_layers = token_layers(layers)
+    layer = chosen_layers[-1]
     scopes = {"pool": index}
     for source in sorted(set(pool.corpus[index].tolist())):
         train, _ = left_out_rows(pool, source)
@@ -123,7 +129,7 @@ def fit_token_readout(
         scope: group_folds(pool.groups(rows), recipe.folds, recipe.seed)
         for scope, rows in scopes.items()
     }
-    plan = _fit_all(pool, scopes, folds, layer, step, device)
+    plan = _fit_all(pool, scopes, folds, chosen_layers, step, device)
     tops = top_logits_of(plan.models)
     step("token read-out pass")
     plain = fit_probe(pool, "combined", index, recipe, attention, last, means)
@@ -141,7 +147,7 @@ def fit_token_readout(
                 best = (fit, c, k)
         step(f"token C={c:g}")
     if best is None or best[0].fit.cv_auroc <= plain.fit.cv_auroc + 1e-4:
-        return TokenReadoutFit(None, plain, cv, {}, len(plan.models))
+        return TokenReadoutFit(None, plain, cv, {}, len(plan.models), chosen_layers)
     probe, c, k = best
     chosen = probe.data_top[layer]
     left_out: dict[str, tuple[dict[int, TokenColumn], dict[int, np.ndarray]]] = {}
@@ -155,4 +161,4 @@ def fit_token_readout(
             {layer: TokenColumn(oof, plan.models[model], k)},
             {layer: pooled(tops[test, model], k)},
         )
-    return TokenReadoutFit(chosen, probe, cv, left_out, len(plan.models))
+    return TokenReadoutFit(chosen, probe, cv, left_out, len(plan.models), chosen_layers)

@@ -1,6 +1,7 @@
-"""A token-level read-out over the data: a logistic model on one layer's stream at single data
-tokens, pooled per request as the mean of its ``k`` highest token logits (the ``data_top``
-position of :class:`~guardrail.probe.config.HiddenLayerProbe`).
+"""A token-level read-out over the data: a logistic model on a few layers' streams at single
+data tokens, pooled per request as the mean of its ``k`` highest token logits (the ``data_top``
+position of :class:`~guardrail.probe.config.HiddenLayerProbe`: one part per layer, summed per
+token before the ``k`` highest are taken).
 
 A short injection inside a long document is diluted in the data tokens' mean stream; a model
 made for single tokens, pooled over the highest ones, is not (docs/detection.md, "A token-level
@@ -23,7 +24,7 @@ cross-validated on honest values; the config serves the model fitted on every ro
 Example:
     >>> rng = np.random.default_rng(0)
     >>> x = rng.normal(0, 1, (200, 8)); y = (x[:, 3] > 0.5).astype(int)
-    >>> model = fit_tokens(x, y, layer=2, c=1.0)
+    >>> model = fit_tokens(x, y, layers=(2,), c=1.0)
     >>> tops = top_logits(x[:50], [model], 5)
     >>> tops.shape, bool(np.all(np.diff(tops[0]) <= 0))
     ((1, 5), True)
@@ -39,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from guardrail.errors import ConfigError
 from guardrail.offline.datasets import LabelledPair, ScoreTable, content_key
 from guardrail.probe.config import HiddenLayerProbe
 
@@ -55,6 +57,7 @@ __all__ = [
     "models_sha256",
     "pooled",
     "sample_positions",
+    "token_layers",
     "top_logits",
 ]
 
@@ -70,23 +73,45 @@ TOKEN_K_GRID: tuple[int, ...] = (1, 3, 5, 10, 20)
 
 @dataclass(frozen=True)
 class TokenModel:
-    """A token's injection logit ``x @ coef + intercept`` on ``layer``'s raw stream ``x``."""
+    """A token's injection logit ``x @ coef + intercept`` on the raw streams ``x`` of
+    ``layers`` at that token, side by side (``[len(layers) * hidden_size]``, ascending layers).
+    """
 
-    layer: int
-    coef: np.ndarray  # [hidden_size]
+    layers: tuple[int, ...]
+    coef: np.ndarray  # [len(layers) * hidden_size]
     intercept: float
     c: float
 
     def logits(self, streams: np.ndarray) -> np.ndarray:
-        """``[tokens]`` logits of ``streams [tokens, hidden_size]``."""
+        """``[tokens]`` logits of ``streams [tokens, len(layers) * hidden_size]``."""
         return np.asarray(streams, dtype=np.float64) @ self.coef + self.intercept
+
+    def layer_coef(self) -> list[tuple[int, np.ndarray]]:
+        """``(layer, its slice of coef)`` for each layer read."""
+        width = len(self.coef) // len(self.layers)
+        return [
+            (layer, self.coef[j * width : (j + 1) * width]) for j, layer in enumerate(self.layers)
+        ]
+
+
+def token_layers(layers: Sequence[int]) -> tuple[int, ...]:
+    """``layers`` as a token model reads them: distinct, ascending; refused when empty."""
+    chosen = tuple(sorted({int(layer) for layer in layers}))
+    if not chosen:
+        raise ValueError("a token model reads at least one layer")
+    return chosen
 
 
 def fit_tokens(
-    x: np.ndarray, y: np.ndarray, layer: int, c: float, device: str | None = None
+    x: np.ndarray,
+    y: np.ndarray,
+    layers: Sequence[int],
+    c: float,
+    device: str | None = None,
 ) -> TokenModel:
-    """An L2 logistic model on standardised streams ``x [tokens, hidden]``, folded back to the
-    raw stream (``coef / std``, the mean into the intercept).
+    """An L2 logistic model on standardised streams ``x [tokens, len(layers) * hidden]`` (the
+    layers' streams at each token side by side, ascending), folded back to the raw streams
+    (``coef / std``, the mean into the intercept).
 
     ``device``: None fits with scikit-learn on the host (what the shipped configs were made
     with; 3-4 s a model at SmolLM2's 576-wide stream on 2 cores); a torch device (``"cuda"``)
@@ -119,7 +144,7 @@ def fit_tokens(
         fitted = fit.coef_[0], float(fit.intercept_[0]), mean, std
     weights, bias, mean, std = fitted
     coef = weights / std
-    return TokenModel(layer, coef, float(bias - mean @ coef), c)
+    return TokenModel(token_layers(layers), coef, float(bias - mean @ coef), c)
 
 
 def _fit_torch(
@@ -159,20 +184,28 @@ def fit_token_model(
     table: ScoreTable,
     rows: np.ndarray,
     labels: np.ndarray,
-    layer: int,
+    layers: Sequence[int],
     c: float,
     device: str | None = None,
 ) -> TokenModel:
-    """:func:`fit_tokens` on the sampled tokens of ``rows`` of ``table`` (each token labelled
-    with its row: an injected row's samples are its attack text's tokens)."""
+    """:func:`fit_tokens` on the sampled tokens of ``rows`` of ``table`` at ``layers`` (each
+    token labelled with its row: an injected row's samples are its attack text's tokens)."""
+    layers = token_layers(layers)
+    missing = [layer for layer in layers if layer not in table.tokens]
+    if missing:
+        raise ConfigError(f"the scores hold no sampled token streams of layers {missing}")
     samples, counts = table.token_index(rows)  # one gather, not a copy per row
     y = np.repeat(labels[rows], counts).astype(int)
-    return fit_tokens(table.tokens[layer][samples], y, layer, c, device)
+    x = np.concatenate([table.tokens[layer][samples] for layer in layers], axis=1)
+    return fit_tokens(x, y, layers, c, device)
 
 
 def top_logits(streams: np.ndarray, models: Sequence[TokenModel], top: int = TOP) -> np.ndarray:
-    """``[models, top]``: each model's ``top`` highest logits over ``streams [tokens, hidden]``,
-    descending, NaN where there are fewer tokens."""
+    """``[models, top]``: each model's ``top`` highest logits over ``streams [tokens,
+    len(layers) * hidden]`` (the models read the same layers), descending, NaN where there are
+    fewer tokens."""
+    if len({m.layers for m in models}) > 1:
+        raise ValueError("top_logits scores models of the same layers only")
     out = np.full((len(models), top), np.nan)
     if len(streams) and models:
         coef = np.stack([m.coef for m in models], axis=1)  # [hidden, models]
@@ -192,7 +225,7 @@ def models_sha256(models: Sequence[TokenModel]) -> str:
     """A digest of ``models``' numbers: a second-pass cache holds the logits of these models."""
     digest = hashlib.sha256()
     for m in models:
-        digest.update(np.asarray([m.layer, m.intercept, m.c], dtype=np.float64).tobytes())
+        digest.update(np.asarray([*m.layers, m.intercept, m.c], dtype=np.float64).tobytes())
         digest.update(np.ascontiguousarray(m.coef, dtype=np.float64).tobytes())
     return digest.hexdigest()
 
@@ -240,25 +273,29 @@ class TokenColumn:
     model: TokenModel
     top_k: int
 
-    def part(self, weight: float, mean: float, std: float) -> HiddenLayerProbe:
-        """The ``data_top`` read-out that adds ``weight * (pooled - mean) / std`` to the logit:
-        per token ``x @ (weight / std * coef)``, offset so that the pooled sum is exact
-        (``weight`` must be positive: the k highest logits are then the k highest terms)."""
+    def parts(self, weight: float, mean: float, std: float) -> list[HiddenLayerProbe]:
+        """The ``data_top`` read-outs, one per layer of the model, that add ``weight * (pooled
+        - mean) / std`` to the logit: per token the sum of ``x_layer @ (weight / std *
+        coef_layer)``, offset so that the pooled sum is exact (``weight`` must be positive: the
+        k highest logits are then the k highest terms)."""
         if weight <= 0:
             raise ValueError(f"a data_top read-out needs a positive weight, not {weight}")
-        scaled = weight / std * self.model.coef
+        coef = self.model.coef
         # offset sum(scaled * m) = -(weight / std) * (intercept - mean), with m along coef
-        m = (
-            -(self.model.intercept - mean)
-            * self.model.coef
-            / float(self.model.coef @ self.model.coef)
-        )
-        return HiddenLayerProbe(
-            layer=self.model.layer,
-            dims=list(range(len(scaled))),
-            mean=[float(v) for v in m],
-            scale=[1.0] * len(scaled),
-            weights=[float(v) for v in scaled],
-            position="data_top",
-            top_k=self.top_k,
-        )
+        m = -(self.model.intercept - mean) * coef / float(coef @ coef)
+        width = len(coef) // len(self.model.layers)
+        parts = []
+        for j, (layer, part_coef) in enumerate(self.model.layer_coef()):
+            scaled = weight / std * part_coef
+            parts.append(
+                HiddenLayerProbe(
+                    layer=layer,
+                    dims=list(range(len(scaled))),
+                    mean=[float(v) for v in m[j * width : (j + 1) * width]],
+                    scale=[1.0] * len(scaled),
+                    weights=[float(v) for v in scaled],
+                    position="data_top",
+                    top_k=self.top_k,
+                )
+            )
+        return parts

@@ -73,7 +73,9 @@ class TransferRecipe:
     by a greedy layer sweep, at most ``max_attention_layers``); ``hidden_candidates``: layers
     whose last-token stream is scored, the ``hidden_count`` best by a hidden-only probe's
     grouped-CV AUROC are read; ``data_mean_layers``: layers read averaged over the data tokens
-    (None: the first of the chosen last-token layers).
+    (None: the first of the chosen last-token layers); ``token_layers``: how many layers the
+    token read-out reads at each data token (the first data-mean layer, then the candidates
+    ranked best by that probe).
     """
 
     attention_layers: tuple[int, ...] | None
@@ -86,6 +88,7 @@ class TransferRecipe:
     folds: int = 3
     seed: int = 0
     target_fpr: float = 0.01
+    token_layers: int = 3
 
     def scored_layers(self) -> tuple[int, ...]:
         """The layers whose streams are scored (last token and data mean alike)."""

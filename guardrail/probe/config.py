@@ -164,9 +164,13 @@ class HiddenLayerProbe(ConfigModel):
     coordinates (only the coordinates with a non-zero weight are stored). ``"data_top"`` reads
     the same per data token and adds the mean of its ``top_k`` largest values (all of them when
     the data has fewer tokens): a read-out made for single tokens, which a short injection
-    inside a long document moves where the mean would dilute it. A layer may have one read-out
-    per position. A request without data tokens gets no data term (0: there is no untrusted
-    text to read); its attention and last-token terms still score it.
+    inside a long document moves where the mean would dilute it. A config's ``data_top`` parts
+    on several layers are one token model over the layers' streams at each data token: per
+    token their values are summed, and the term (on the last of their layers; the others' add
+    0) is the mean of the ``top_k`` largest sums (:meth:`ModelProbeConfig.data_top_term`), so
+    they share ``top_k``. A layer may have one read-out per position. A request without data
+    tokens gets no data term (0: there is no untrusted text to read); its attention and
+    last-token terms still score it.
 
     Example:
         >>> part = HiddenLayerProbe(layer=3, dims=[0, 7], mean=[0.1, -2.0], scale=[1.0, 4.0],
@@ -305,6 +309,12 @@ class ModelProbeConfig(ConfigModel):
             reads = [(part.layer, part.position) for part in self.hidden]
             if len(set(reads)) != len(reads):
                 raise ValueError(f"hidden lists a (layer, position) twice: {sorted(reads)}")
+            tops = {p.top_k for p in self.hidden if p.position == "data_top"}
+            if len(tops) > 1:
+                raise ValueError(
+                    f"the data_top read-outs are one token model over their layers and share "
+                    f"top_k; got top_k {sorted(t for t in tops if t is not None)}"
+                )
         self._check_own_sizes()
         return self
 
@@ -349,6 +359,27 @@ class ModelProbeConfig(ConfigModel):
     def hidden_layers_at(self, position: HiddenPosition) -> list[int]:
         """Sorted decoder layers the probe reads at ``position``."""
         return sorted({part.layer for part in self.hidden or [] if part.position == position})
+
+    def data_top_term(self, streams: Mapping[int, np.ndarray]) -> float:
+        """The token read-out's term (all ``data_top`` parts as one token model) from each
+        of their layers' streams at the data tokens, ``{layer: [tokens, hidden_size]}`` in the
+        same token order (plain Python, for checks and tools; no data tokens: 0).
+
+        Example:
+            >>> part = dict(dims=[0], mean=[0.0], scale=[1.0], weights=[1.0],
+            ...             position="data_top", top_k=1)
+            >>> config = ModelProbeConfig(model_id="m", probe="logistic", heads=[(0, 0)],
+            ...     weights=[0.0] * 5, feature="attention_stats",
+            ...     hidden=[HiddenLayerProbe(layer=1, **part), HiddenLayerProbe(layer=2, **part)])
+            >>> config.data_top_term({1: np.array([[1.0], [5.0]]), 2: np.array([[3.0], [0.0]])})
+            5.0
+        """
+        parts = [p for p in self.hidden or [] if p.position == "data_top"]
+        if not parts or not all(len(streams.get(p.layer, ())) for p in parts):
+            return 0.0
+        values = sum(np.array([p.project(x) for x in np.asarray(streams[p.layer])]) for p in parts)
+        top = np.sort(np.asarray(values))[::-1][: parts[0].top_k]
+        return float(top.mean())
 
     def focus(
         self,

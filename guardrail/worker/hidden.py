@@ -26,6 +26,9 @@ scale)`` that is ``x[dims] @ (weights / scale) - sum(weights * mean / scale)``:
 - ``data_top``: the same per-token projections, from their own memo, pooled as the mean of
   the ``top_k`` largest over the data tokens (``DataReadout``): a read-out made for single
   tokens, which a short injection in a long document moves where the mean would dilute it.
+  A config's ``data_top`` parts on several layers are one token model: each layer writes its
+  projections into its own memo, and the last of them sums the memos per slot before taking
+  the ``top_k`` largest; its layer carries the whole term, the others' ``data_top`` add 0.
 
 Layers asked for by calibration keep whole streams: ``raw_last`` returns the last token's, and
 a ``raw_memo`` (the whole stream per KV slot, ``hidden_size`` float32 each: calibration engines
@@ -190,13 +193,24 @@ class DataReadout:
     readout: Readout
     memo: torch.Tensor  # [slots + 1] (``new_memo``)
     top_k: int = 1
+    # data_top on several layers (one token model): the earlier layers' memos, summed per
+    # slot with this one's, and their offsets; ``summed_elsewhere``: this layer is one of
+    # those earlier layers, its values counted in the last layer's term (its own term is 0)
+    joined: list[DataReadout] = field(default_factory=list)
+    summed_elsewhere: bool = False
 
     def term(self, rows: StepRows) -> torch.Tensor:
         """Every scored row's term [K], from the memo through the rows' KV slots (on the
         device): 0 for a row without data; NaN where a data slot was never written."""
         assert rows.data is not None and rows.slots is not None
         count = rows.data.sum(1)  # [K] data tokens per row
+        if self.summed_elsewhere:
+            return torch.zeros(count.shape, dtype=torch.float32, device=count.device)
         values = self.memo[rows.slots]  # [K, T]
+        offset = self.readout.offset
+        for other in self.joined:  # the same tokens' values on the earlier layers
+            values = values + other.memo[rows.slots]
+            offset = offset + other.readout.offset
         if self.position == "data_mean":
             pooled = torch.where(rows.data, values, 0.0).sum(1) / count.clamp(min=1)
         else:  # the mean of the k largest (NaN, a never-written slot, sorts above them all)
@@ -205,7 +219,7 @@ class DataReadout:
             taken = count.clamp(max=k)
             kept = torch.arange(k, device=top.device) < taken[:, None]
             pooled = torch.where(kept, top, 0.0).sum(1) / taken.clamp(min=1)
-        return torch.where(count > 0, pooled - self.readout.offset, 0.0)
+        return torch.where(count > 0, pooled - offset, 0.0)
 
 
 @dataclass
@@ -399,9 +413,32 @@ def install_hidden(
             reader.raw_memo = new_memo(slots, device, info["hidden_size"])
         reader.handle = _connect(probe, reader, runner, layers[index], index in tapped)
         probe.hidden[index] = reader
+    _join_token_model(parts, held, [probe.hidden[i] for i in held])
     probe.needs_data_slots = any(r.remembers for r in probe.hidden.values())
     if probe.hidden and max(probe.hidden) >= probe.last_layer:
         probe.last_layer, probe.finish_on_hidden = max(probe.hidden), True
+
+
+def _join_token_model(
+    parts: list[HiddenLayerProbe], held: list[int], readers: list[HiddenReader]
+) -> None:
+    """Make a config's ``data_top`` read-outs on several layers one token model: the last of
+    them sums the others' memos per slot before taking the highest (module doc)."""
+    top_layers = sorted(p.layer for p in parts if p.position == "data_top")
+    if len(top_layers) < 2:
+        return
+    if not set(top_layers) <= set(held):
+        raise ValueError(
+            f"the token read-out (data_top) reads layers {top_layers} together, and this "
+            f"pipeline stage holds only {sorted(set(top_layers) & set(held))}: serve it "
+            "without pipeline parallelism, or with its layers on one stage"
+        )
+    tops = [d for r in sorted(readers, key=lambda r: r.index) for d in r.data]
+    tops = [d for d in tops if d.position == "data_top"]
+    *earlier, last = tops
+    last.joined = earlier
+    for readout in earlier:
+        readout.summed_elsewhere = True
 
 
 def _worker_memo(runner: Any, readout: Readout, layer: int, position: str) -> torch.Tensor:

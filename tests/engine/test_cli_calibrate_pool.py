@@ -53,19 +53,21 @@ def test_calibrate_on_the_packaged_pool(tiny_hidden_engine, tiny_llama_dir, tmp_
     assert len(chosen["last_layers"]) == 2 and set(chosen["last_layers"]) <= {0, 1, 2}
     assert chosen["data_mean_layers"] == chosen["last_layers"][:1]
     assert last <= set(chosen["last_layers"]) and mean <= set(chosen["data_mean_layers"])
-    # the token read-out of the data-mean layer: a model per fold (3) and one on all rows, for
-    # the pool and each source left out (6 sources, BIPIA's two leaving together: 6 scopes),
-    # per C (3); every C and k tried, kept only where it beat the fit without it
+    # the token read-out over three layers (--token-layers' default): the data-mean layer and
+    # the next best-ranked candidates (here all three); a model per fold (3) and one on all
+    # rows, for the pool and each source left out (6 sources, BIPIA's two leaving together:
+    # 6 scopes), per C (3); every C and k tried, kept only where it beat the fit without it
     token = report["token_readout"]
     assert token["models"] == 7 * 3 * 4 and len(token["cv_auroc"]) == 1 + 3 * 5
+    assert token["layers"] == [0, 1, 2] and chosen["data_mean_layers"][0] in token["layers"]
     tops = [p for p in combined.hidden or [] if p.position == "data_top"]
     if token["chosen"] is None:
         assert not tops and max(token["cv_auroc"].values()) <= token["cv_auroc"]["none"] + 1e-4
-    else:
-        (part,) = tops
-        assert (part.layer, part.top_k) == (chosen["data_mean_layers"][0], token["chosen"][1])
-        assert len(part.dims) == 128 and chosen["data_top"] == {
-            str(part.layer): {"top_k": part.top_k, "c": token["chosen"][0]}
+    else:  # one data_top part per layer, one token model: its column keyed by the last layer
+        assert [p.layer for p in tops] == token["layers"]
+        assert {(p.top_k, len(p.dims)) for p in tops} == {(token["chosen"][1], 128)}
+        assert chosen["data_top"] == {
+            "2": {"top_k": token["chosen"][1], "c": token["chosen"][0], "layers": [0, 1, 2]}
         }
     assert (tmp_path / "scores.token-logits.npz").is_file()
     assert combined.hidden_size == 128 and combined.num_layers == 4

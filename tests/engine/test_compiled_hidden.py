@@ -2,13 +2,14 @@
 
 One compiled engine (``enforce_eager=False``: torch.compile/Inductor, attention as the splitting
 op) on tiny Llama reads the config of ``tiny_hidden_config`` (last token on layers 1-2, data
-mean on layers 2-3) and the whole streams of layers 0-1 (as calibration reads them), through
-the stream taps its worker put on the decoder layers before vLLM compiled them. Every request
-of an 18-request batch (chunked prefill: 128 tokens per step; the second pass serves the
-prompts, data included, from the prefix cache) must give the hidden terms Hugging Face gives on
-the same token ids, within 5e-6, and the focus the caller computes from them. The engine is
-shared by the module: compiling takes most of its start-up (2 cores: ~10 s with Inductor's cache
-warm, ~85 s cold, so the module is marked slow; it also starts an engine of its own).
+mean on layers 2-3, a token read-out over layers 1 and 3) and the whole streams of layers 0-1
+(as calibration reads them), through the stream taps its worker put on the decoder layers
+before vLLM compiled them. Every request of an 18-request batch (chunked prefill: 128 tokens
+per step; the second pass serves the prompts, data included, from the prefix cache) must give
+the hidden terms Hugging Face gives on the same token ids, within 5e-6, and the focus the
+caller computes from them. The engine is shared by the module: compiling takes most of its
+start-up (2 cores: ~10 s with Inductor's cache warm, ~85 s cold, so the module is marked slow;
+it also starts an engine of its own).
 """
 
 from __future__ import annotations

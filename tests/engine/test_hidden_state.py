@@ -69,15 +69,17 @@ def expected_terms(
     mean: dict[int, np.ndarray],
     data: dict[int, np.ndarray],
 ) -> dict[int, float]:
-    """The config's hidden logit term per layer, from Hugging Face's streams (no data: 0)."""
+    """The config's hidden logit term per layer, from Hugging Face's streams (no data: 0). The
+    token read-out's term (its data_top parts as one token model) lands on its last layer."""
     want: dict[int, float] = {}
+    tops = config.hidden_layers_at("data_top")
     for part in config.hidden or []:
         if part.position == "last":
             term = part.project(last[part.layer])
         elif part.position == "data_mean":
             term = part.project(mean[part.layer]) if part.layer in mean else 0.0
         else:
-            term = part.project_data(data.get(part.layer, np.empty((0, 0))))
+            term = config.data_top_term(data) if part.layer == tops[-1] else 0.0
         want[part.layer] = want.get(part.layer, 0.0) + term
     return want
 

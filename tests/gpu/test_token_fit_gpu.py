@@ -17,7 +17,7 @@ def test_a_gpu_token_fit_equals_the_hosts() -> None:
     rng = np.random.default_rng(3)
     x = (rng.normal(0, 1, (20_000, 256)) * rng.uniform(0.2, 3, 256)).astype(np.float32)
     y = (x[:, :8].sum(1) / 4 + rng.logistic(0, 1, len(x)) > 0).astype(int)
-    on_gpu = fit_tokens(x, y, layer=5, c=0.05, device="cuda")
-    on_host = fit_tokens(x, y, layer=5, c=0.05, device="cpu")
+    on_gpu = fit_tokens(x, y, layers=(5,), c=0.05, device="cuda")
+    on_host = fit_tokens(x, y, layers=(5,), c=0.05, device="cpu")
     spread = np.ptp(on_host.logits(x))
     assert np.abs(on_gpu.logits(x) - on_host.logits(x)).max() < 1e-4 * spread

@@ -50,32 +50,50 @@ def test_an_empty_c_grid_is_refused():
         fit_combined(stats, heads, hidden, labels, groups, c_grid=(), folds=2)
 
 
-def test_a_token_readout_column_becomes_the_data_top_part_a_config_serves():
+@pytest.mark.parametrize("layers", [(2,), (2, 5)])
+def test_a_token_readout_column_becomes_the_data_top_part_a_config_serves(layers):
     """The pooled column of a token model (mean of the k highest token logits) is fitted as one
-    column; the ``data_top`` read-out written for it gives, from the raw token streams alone,
-    exactly the logit term the column adds in the fit."""
+    column; the ``data_top`` read-outs written for it (one per layer the model reads) give,
+    from the raw token streams alone, exactly the logit term the column adds in the fit."""
     from guardrail.offline.token_readout import TokenColumn, fit_tokens, pooled, top_logits
+    from guardrail.probe.config import ModelProbeConfig
 
     stats, heads, hidden, _, labels, groups = _data()
     rng = np.random.default_rng(1)
-    tokens = [rng.normal(size=(int(rng.integers(2, 30)), 6)) for _ in labels]
+    width = 6 * len(layers)  # the layers' streams side by side
+    tokens = [rng.normal(size=(int(rng.integers(2, 30)), width)) for _ in labels]
     for streams, label in zip(tokens, labels, strict=True):
-        if label:  # a few injected tokens stand out on one coordinate
-            streams[: max(1, len(streams) // 5), 4] += 3.0
+        if label:  # a few injected tokens stand out on one coordinate of each layer
+            streams[: max(1, len(streams) // 5), 4::6] += 3.0
     x = np.concatenate(tokens)
     y = np.concatenate([np.full(len(t), lab) for t, lab in zip(tokens, labels, strict=True)])
-    model = fit_tokens(x, y, layer=2, c=1.0)
+    model = fit_tokens(x, y, layers=layers, c=1.0)
     values = pooled(np.concatenate([top_logits(t, [model], 5) for t in tokens]), 3)
     column = TokenColumn(values, model, 3)
-    fit = fit_combined(stats, heads, hidden, labels, groups, folds=3, data_top={2: column})
-    (part,) = [p for p in fit.hidden if p.position == "data_top"]
-    weight, mean, std = fit.top_columns[2]
-    assert part.top_k == 3 and weight > 0
-    served = np.array([part.project_data(t) for t in tokens])
+    key = layers[-1]
+    fit = fit_combined(stats, heads, hidden, labels, groups, folds=3, data_top={key: column})
+    parts = [p for p in fit.hidden if p.position == "data_top"]
+    assert [p.layer for p in parts] == list(layers) and {p.top_k for p in parts} == {3}
+    weight, mean, std = fit.top_columns[key]
+    assert weight > 0
+    config = ModelProbeConfig(
+        model_id="m",
+        probe="logistic",
+        heads=fit.heads,
+        weights=fit.weights,
+        hidden=fit.hidden,
+        feature=fit.feature,
+    )
+    served = np.array(
+        [
+            config.data_top_term({layer: t[:, 6 * j : 6 * j + 6] for j, layer in enumerate(layers)})
+            for t in tokens
+        ]
+    )
     np.testing.assert_allclose(served, weight * (values - mean) / std, atol=1e-9)
     # and the fit's focus is the standardised fit's over every column
     x_all = np.c_[feature_matrix(stats, hidden, fit.feature), values]
     w, b, mu, sd = standardised_l1_fit(x_all, labels, fit.c)
     expected = focus_from_logit(b + ((x_all - mu) / sd) @ w)
-    actual = combined_focus(fit, stats, heads, hidden, None, {2: values})
+    actual = combined_focus(fit, stats, heads, hidden, None, {key: values})
     np.testing.assert_allclose(actual, expected, atol=1e-9)

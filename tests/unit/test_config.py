@@ -429,6 +429,15 @@ def _hidden(**overrides):
             "greater than or equal to 1",
         ),
         (
+            {
+                "probe": "logistic",
+                "weights": [0.0],
+                "hidden": _hidden(position="data_top", top_k=2)
+                + _hidden(layer=3, position="data_top", top_k=5),
+            },
+            "one token model over their layers and share top_k; got top_k \\[2, 5\\]",
+        ),
+        (
             {"probe": "logistic", "weights": [0.0], "hidden": _hidden(), "hidden_size": 4},
             "reads coordinate 5, outside the config's hidden_size 4",
         ),

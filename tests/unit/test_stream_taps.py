@@ -9,6 +9,7 @@ import gc
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from vllm.forward_context import override_forward_context
@@ -23,7 +24,15 @@ from guardrail.protocol import (
     STREAM_TAPS_KEY,
     ProbeErrorReason,
 )
-from guardrail.worker.hidden import DataReadout, LayerMemos, Readout, _check_compiled, _worker_memo
+from guardrail.worker.hidden import (
+    DataReadout,
+    HiddenReader,
+    LayerMemos,
+    Readout,
+    _check_compiled,
+    _join_token_model,
+    _worker_memo,
+)
 from guardrail.worker.probe import Probe, ProbeSettings
 from guardrail.worker.rows import FLAG_MESSAGES, NONFINITE, StepRows
 from guardrail.worker.stream_op import MEMOS, READERS, StreamReaders, make_tap, tapped_layers
@@ -305,6 +314,7 @@ def test_stream_tap_arguments_ask_for_the_tapping_worker_only_where_it_exists(
         data = [p for p in hidden.hidden or [] if p.position in DATA_POSITIONS]
         assert memos == [p.model_dump(mode="json") for p in data]
         assert [(p["layer"], p["position"]) for p in memos] == [
+            (1, "data_top"),
             (2, "data_mean"),
             (3, "data_mean"),
             (3, "data_top"),
@@ -388,3 +398,29 @@ def test_a_data_top_term_is_the_mean_of_the_k_highest_data_values() -> None:
     got_mean = mean.term(rows)  # type: ignore[arg-type]
     torch.testing.assert_close(got_mean[:3], torch.tensor([13 / 3 - 1.0, 6.0, 0.0]))
     assert torch.isnan(got_mean[3])
+
+
+def test_a_token_model_over_two_layers_sums_their_values_per_token_before_the_top() -> None:
+    """``data_top`` on two layers is one token model: the last layer's term is the mean of
+    the k highest per-slot *sums* of both memos, minus both offsets; the earlier layer's own
+    term is 0 (its values are counted once, in the last layer's)."""
+    first = HiddenLayerProbe(
+        layer=1, dims=[0], mean=[0.5], scale=[1.0], weights=[1.0], position="data_top", top_k=2
+    )
+    second = first.model_copy(update={"layer": 3, "mean": [0.25]})
+    one = DataReadout("data_top", Readout.of(first, "cpu"), torch.tensor([5.0, 1.0, 9.0, 0.0]), 2)
+    two = DataReadout("data_top", Readout.of(second, "cpu"), torch.tensor([0.0, 9.0, 1.0, 0.0]), 2)
+    readers = [HiddenReader(3, data=[two]), HiddenReader(1, data=[one])]
+    _join_token_model([first, second], [1, 3], readers)
+    rows = SimpleNamespace(
+        slots=torch.tensor([[0, 1, 2], [0, 1, 2]]),
+        data=torch.tensor([[True, True, True], [True, False, False]]),
+    )
+    # sums 5, 10, 10: the top two 10 and 10 (each layer alone would take 9 and 5, 9 and 1)
+    torch.testing.assert_close(two.term(rows), torch.tensor([10.0 - 0.75, 5.0 - 0.75]))  # type: ignore[arg-type]
+    torch.testing.assert_close(one.term(rows), torch.zeros(2))  # type: ignore[arg-type]
+    config = tiny_hidden_config().model_copy(update={"hidden": [first, second]})
+    streams = {1: np.array([[5.0], [1.0], [9.0]]), 3: np.array([[0.0], [9.0], [1.0]])}
+    assert config.data_top_term(streams) == pytest.approx(10.0 - 0.75)  # the reference agrees
+    with pytest.raises(ValueError, match=r"reads layers \[1, 3\] together.*holds only \[3\]"):
+        _join_token_model([first, second], [3], [HiddenReader(3, data=[two])])

@@ -193,9 +193,10 @@ class DataReadout:
     readout: Readout
     memo: torch.Tensor  # [slots + 1] (``new_memo``)
     top_k: int = 1
-    # data_top on several layers (one token model): the earlier layers' memos, summed per
-    # slot with this one's, and their offsets; ``summed_elsewhere``: this layer is one of
-    # those earlier layers, its values counted in the last layer's term (its own term is 0)
+    # data_top on several layers (one token model): the earlier layers' read-outs, whose
+    # memos are summed per slot with this one's (and offsets with its offset);
+    # ``summed_elsewhere``: this is one of those earlier read-outs, its values counted in the
+    # last layer's term (its own term is 0)
     joined: list[DataReadout] = field(default_factory=list)
     summed_elsewhere: bool = False
 
@@ -425,9 +426,10 @@ def _join_token_model(
     """Make a config's ``data_top`` read-outs on several layers one token model: the last of
     them sums the others' memos per slot before taking the highest (module doc)."""
     top_layers = sorted(p.layer for p in parts if p.position == "data_top")
-    if len(top_layers) < 2:
+    on_stage = set(top_layers) & set(held)
+    if len(top_layers) < 2 or not on_stage:
         return
-    if not set(top_layers) <= set(held):
+    if on_stage != set(top_layers):
         raise ValueError(
             f"the token read-out (data_top) reads layers {top_layers} together, and this "
             f"pipeline stage holds only {sorted(set(top_layers) & set(held))}: serve it "

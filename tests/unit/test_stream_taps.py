@@ -424,3 +424,4 @@ def test_a_token_model_over_two_layers_sums_their_values_per_token_before_the_to
     assert config.data_top_term(streams) == pytest.approx(10.0 - 0.75)  # the reference agrees
     with pytest.raises(ValueError, match=r"reads layers \[1, 3\] together.*holds only \[3\]"):
         _join_token_model([first, second], [3], [HiddenReader(3, data=[two])])
+    _join_token_model([first, second], [0, 2], [])  # a pipeline stage holding neither: nothing

@@ -243,18 +243,17 @@ def test_readme_use_it_on_the_embedded_model() -> None:
     """What the README promises: the benign email allowed, the injected one blocked. The engine
     runs eager, so with no config given it reads the embedded model's ``combined`` variant
     (hidden-state read-outs at the last token, averaged over the data tokens and the token
-    read-out's highest values over them); the scores are those docs/detection.md reports for the
-    README's emails: benign 0.999, injected 0.002 (0.99925 and 0.00201 unrounded). The printed
-    focus is rounded to 3 decimals; +-0.001 on it accepts unrounded focus at least 0.5 logit
-    either side of those (0.0005-0.0035, >= 0.9975): room for the float noise of vLLM's CPU
-    scoring, and far below the threshold (0.022) for the injected email."""
+    read-out's highest values over them, its model reading three layers); the scores are those
+    docs/detection.md reports for the README's emails: benign 0.998, injected 0.045 (threshold
+    0.048). The printed focus is rounded to 3 decimals; +-0.001 on it is room for the float
+    noise of vLLM's CPU scoring (1e-5 between runs), and the block must hold at the threshold."""
     from guardrail.probe.config import load_model_config
 
     lines = use_it_lines(run_example("readme_use_it.py"))
     ((benign, benign_focus, text), (injected, injected_focus, refusal)) = lines
     threshold = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct", "combined").threshold
     assert threshold is not None
-    assert abs(benign_focus - 0.999) <= 0.001 and abs(injected_focus - 0.002) <= 0.001, lines
+    assert abs(benign_focus - 0.998) <= 0.001 and abs(injected_focus - 0.045) <= 0.001, lines
     assert (benign, injected) == ("allow", "block")
     assert [benign, injected] == [tiered(f, threshold) for f in (benign_focus, injected_focus)]
     assert refusal == DEFAULT_REFUSAL and text.strip()

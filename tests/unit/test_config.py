@@ -66,8 +66,15 @@ def test_a_shipped_variant_is_chosen_by_name_or_as_the_eager_default(tmp_path, m
     assert default.hidden is None and default == load_model_config(smol)
     reads = [(p.layer, p.position) for p in combined.hidden or []]
     assert combined.model_id == smol
-    assert reads == [(15, "last"), (18, "last"), (15, "data_mean"), (15, "data_top")]
-    assert [p.top_k for p in combined.hidden or []] == [None, None, None, 10]
+    assert reads == [
+        (15, "last"),
+        (18, "last"),
+        (15, "data_mean"),
+        (15, "data_top"),  # the token read-out: one model over layers 15, 18 and 21
+        (18, "data_top"),
+        (21, "data_top"),
+    ]
+    assert [p.top_k for p in combined.hidden or []] == [None, None, None, 10, 10, 10]
     assert combined.probe == "logistic" and combined.threshold is not None
     assert packaged_model_configs()[smol] == default  # the variant never replaces the file
     # an engine that reads the hidden state (eager, or compiled on the CPU) of a model that

@@ -19,7 +19,7 @@ read-out over the data"). Calibration fits it in two passes of the serving probe
 A pool row's pooled value comes from the model of the fold that did not see it, so the
 combined fit (:func:`guardrail.offline.combined.fit_combined`, argument ``data_top``) is
 cross-validated on honest values; the config serves the model fitted on every row
-(:meth:`TokenColumn.part`).
+(:meth:`TokenColumn.parts`).
 
 Example:
     >>> rng = np.random.default_rng(0)

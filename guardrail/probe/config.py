@@ -214,23 +214,6 @@ class HiddenLayerProbe(ConfigModel):
         z = (x - np.asarray(self.mean)) / np.asarray(self.scale)
         return float(np.dot(z, np.asarray(self.weights)))
 
-    def project_data(self, streams: np.ndarray) -> float:
-        """The term of a data position for the data tokens' streams ``[tokens, hidden_size]``
-        (no tokens: 0), pooled as the position says.
-
-        Example:
-            >>> part = HiddenLayerProbe(layer=0, dims=[0], mean=[0.0], scale=[1.0],
-            ...                         weights=[1.0], position="data_top", top_k=2)
-            >>> part.project_data(np.array([[1.0], [5.0], [3.0]]))
-            4.0
-        """
-        if not len(streams):
-            return 0.0
-        values = np.array([self.project(x) for x in np.asarray(streams)])
-        if self.position == "data_top":  # the top_k largest
-            values = np.sort(values)[::-1][: self.top_k]
-        return float(values.mean())
-
 
 class ModelProbeConfig(ConfigModel):
     """Probe settings for one model: heads, aggregation, threshold and provenance.

@@ -193,12 +193,16 @@ class DataReadout:
     readout: Readout
     memo: torch.Tensor  # [slots + 1] (``new_memo``)
     top_k: int = 1
-    # data_top on several layers (one token model): the earlier layers' read-outs, whose
-    # memos are summed per slot with this one's (and offsets with its offset);
-    # ``summed_elsewhere``: this is one of those earlier read-outs, its values counted in the
-    # last layer's term (its own term is 0)
-    joined: list[DataReadout] = field(default_factory=list)
+    # data_top on several layers (one token model): the earlier layers' memos, summed per
+    # slot with this one's; ``offset``: the term's offset, theirs included (set once, by
+    # ``_join_token_model``); ``summed_elsewhere``: this is one of those earlier read-outs, its
+    # values counted in the last layer's term (its own term is 0)
+    joined: list[torch.Tensor] = field(default_factory=list)
     summed_elsewhere: bool = False
+    offset: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offset = self.readout.offset
 
     def term(self, rows: StepRows) -> torch.Tensor:
         """Every scored row's term [K], from the memo through the rows' KV slots (on the
@@ -208,10 +212,8 @@ class DataReadout:
         if self.summed_elsewhere:
             return torch.zeros(count.shape, dtype=torch.float32, device=count.device)
         values = self.memo[rows.slots]  # [K, T]
-        offset = self.readout.offset
-        for other in self.joined:  # the same tokens' values on the earlier layers
-            values = values + other.memo[rows.slots]
-            offset = offset + other.readout.offset
+        for memo in self.joined:  # the same tokens' values on the earlier layers
+            values = values + memo[rows.slots]
         if self.position == "data_mean":
             pooled = torch.where(rows.data, values, 0.0).sum(1) / count.clamp(min=1)
         else:  # the mean of the k largest (NaN, a never-written slot, sorts above them all)
@@ -220,7 +222,7 @@ class DataReadout:
             taken = count.clamp(max=k)
             kept = torch.arange(k, device=top.device) < taken[:, None]
             pooled = torch.where(kept, top, 0.0).sum(1) / taken.clamp(min=1)
-        return torch.where(count > 0, pooled - offset, 0.0)
+        return torch.where(count > 0, pooled - self.offset, 0.0)
 
 
 @dataclass
@@ -432,14 +434,15 @@ def _join_token_model(
     if on_stage != set(top_layers):
         raise ValueError(
             f"the token read-out (data_top) reads layers {top_layers} together, and this "
-            f"pipeline stage holds only {sorted(set(top_layers) & set(held))}: serve it "
+            f"pipeline stage holds only {sorted(on_stage)}: serve it "
             "without pipeline parallelism, or with its layers on one stage"
         )
     tops = [d for r in sorted(readers, key=lambda r: r.index) for d in r.data]
     tops = [d for d in tops if d.position == "data_top"]
     *earlier, last = tops
-    last.joined = earlier
+    last.joined = [readout.memo for readout in earlier]
     for readout in earlier:
+        last.offset = last.offset + readout.readout.offset
         readout.summed_elsewhere = True
 
 

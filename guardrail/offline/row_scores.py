@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -368,11 +369,22 @@ def _score_missing(
         )
     finally:
         if own:
+            started = time.perf_counter()
             engine.close()
+            _phase(f"engine closed in {time.perf_counter() - started:.0f} s")
     merged = with_known(fresh, new_skips)
     if path is not None:
+        started = time.perf_counter()
         merged.save(path)
+        took, size = time.perf_counter() - started, path.stat().st_size / 2**30
+        _phase(f"score cache {path} saved ({size:.1f} GiB) in {took:.0f} s")
     return merged, new_skips
+
+
+def _phase(line: str) -> None:
+    """A step of a long scoring run, between its progress bars (on stderr, as they are): where
+    the time goes after the last row is scored is otherwise invisible."""
+    tqdm.write(line, file=sys.stderr)
 
 
 def scores_for(

@@ -33,7 +33,10 @@ def test_calibrate_on_the_packaged_pool(tiny_hidden_engine, tiny_llama_dir, tmp_
     args += ["--max-groups-per-task", "1", "--max-model-len", str(CONTEXT), "--batch-size", "16"]
     args += ["--max-prompt-tokens", str(CAP), "--scores-cache", str(tmp_path / "scores.npz")]
     assert main([*args, "--out", str(out)], engine=tiny_hidden_engine) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    # the steps between scoring and fitting say how long they took (invisible otherwise)
+    assert f"score cache {tmp_path / 'scores.npz'} saved (" in captured.err
     manifest = read_manifest()
     for source in manifest.sources:  # every source named with its licence
         assert f"  {source.name}: " in printed and source.licence in printed

@@ -6,7 +6,9 @@ of the transfer table (the hand-written requests in five layouts, AgentDojo tool
 with ``--bipia-dir``, the held-out BIPIA split) through both engines of the embedded SmolLM2
 with the shipped ``combined`` config, one after the other, and reports per set and mode the
 AUROC, the clean rows flagged and the injections caught at the config's threshold, and the
-largest focus difference between the modes, row by row. No fit happens here.
+largest focus difference between the modes, row by row. No fit happens here. ``--sweep T ...``
+adds the clean rows flagged and injections caught at other thresholds (an operating-point
+table); the JSON keeps every row's focus by id, so other thresholds need no second serve.
 
     python benchmarks/detection_compiled.py [--bipia-dir ../shared/data/bipia] [--limit N]
 
@@ -92,6 +94,9 @@ def main() -> None:
     parser.add_argument("--config", type=Path, help="serve this config (default: the shipped one)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--stem", default="detection_compiled_smollm2", help="result file stem")
+    parser.add_argument(
+        "--sweep", type=float, nargs="*", default=[], help="more thresholds to report"
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     modes = tuple(args.modes)
@@ -127,7 +132,16 @@ def main() -> None:
         "errors": {mode: sorted({e for e in served[mode][1] if e}) for mode in modes},
         "max_focus_difference": float(np.max(np.abs(first - last)[both])),
         "sets": {},
+        "sweep": {},
+        "focus": {
+            mode: {
+                p.id: None if not np.isfinite(f) else round(float(f), 6)
+                for p, f in zip(rows, focus[mode], strict=True)
+            }
+            for mode in modes
+        },
     }
+    sweep_table: dict[str, dict[str, Any]] = {}
     table: dict[str, dict[str, Any]] = {}
     for name in sets:
         member = np.array([p.extra["corpus"] == name for p in rows])
@@ -140,6 +154,15 @@ def main() -> None:
             table[name][f"AUROC {mode}"] = "n/a" if area is None else f"{area:.3f}"
             table[name][f"clean flagged {mode}"] = percent(cells[mode]["flagged_clean"])
             table[name][f"caught {mode}"] = percent(cells[mode]["caught"])
+        result["sweep"][name] = {
+            mode: [scored(labels[member], focus[mode][member], t) for t in args.sweep]
+            for mode in modes
+        }
+        for mode in modes:
+            sweep_table[f"{name} ({mode})"] = {
+                f"{t:g}": f"{percent(c['flagged_clean'])} / {percent(c['caught'])}"
+                for t, c in zip(args.sweep, result["sweep"][name][mode], strict=True)
+            }
     columns = ["rows"] + [
         f"{what} {mode}" for what in ("AUROC", "clean flagged", "caught") for mode in modes
     ]
@@ -148,6 +171,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown_table(table, columns)
+    if args.sweep:
+        text += "\n\nClean rows flagged / injections caught at each threshold:\n\n"
+        text += markdown_table(sweep_table, [f"{t:g}" for t in args.sweep])
     (args.out / f"{args.stem}.md").write_text(text + "\n")
     print(text)
     print(f"largest focus difference eager vs compiled: {result['max_focus_difference']:.2e}")

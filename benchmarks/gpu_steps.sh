@@ -18,8 +18,8 @@
 # dummy-weight model of that shape (its scores mean nothing: the time is what is measured). The
 # KV cache is capped (4,096 blocks): calibration's data-mean memos hold the whole stream per KV
 # slot, and with vLLM's default memory share they do not fit (refused at install).
-# tokenfit: the time of one token model of calibrate's token read-out on the GPU, at the 1B
-# and 8B widths (benchmarks/token_fit_speed.py).
+# tokenfit: the time of one token model of calibrate's token read-out on the GPU: one 1B layer
+# (2,048) and three layers of the 1B and 8B shapes (6,144, 12,288; benchmarks/token_fit_speed.py).
 set -uo pipefail
 step=${1:?usage: gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|profile|ab|serve|calibrate1b|calibrate8b|tokenfit}
 out=${OUT:-$PWD/gpu-out}
@@ -75,7 +75,7 @@ build_dummy_model; print(build_dummy_model('$shape', Path('/tmp/guardrail-bench'
       --batch-size 64 2>&1 | quiet | tr '\r' '\n' | grep -v "^$" | tee "$out/calibrate_$shape.log" | tail -40
     echo "calibrate $shape: $(python3 -c "import time; print(round(time.time() - $start, 1))") s \
 wall, engine start included" | tee "$out/calibrate_$shape.time" ;;
-  tokenfit) python3 benchmarks/token_fit_speed.py --widths 2048 4096 \
+  tokenfit) python3 benchmarks/token_fit_speed.py --widths 2048 6144 12288 \
     --out "$out/token_fit_speed.json" 2>&1 | grep "^{" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -15,6 +15,7 @@ benchmarks/results/calibrate_pool_smollm2/SmolLM2-135M-Instruct.report.json`` re
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -137,6 +138,7 @@ def run_pool(args: argparse.Namespace, engine: Any) -> int:
     pairs, source = _pool_rows(args)
     settings = _pool_settings(args, recipe)
     pairs, table, skipped, score_seconds = scores_for(pairs, model, "all", settings, engine)
+    tqdm.write(f"scores of {len(pairs)} rows ready after {score_seconds:.0f} s", file=sys.stderr)
     lacking = sorted(set(settings.hidden_layers) - set(table.hidden))
     lacking += sorted(set(settings.data_mean_layers) - set(table.data_mean))
     if lacking:

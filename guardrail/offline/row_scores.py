@@ -286,7 +286,10 @@ def score_pairs(
             checkpoint(collected.table(model), skipped)
         raise
     bar.close()
-    return collected.table(model), skipped
+    started = time.perf_counter()
+    table = collected.table(model)
+    _phase(f"{len(table.keys)} rows' scores gathered in {time.perf_counter() - started:.0f} s")
+    return table, skipped
 
 
 # -- the score cache ------------------------------------------------------------------------

@@ -37,6 +37,7 @@ def test_calibrate_on_the_packaged_pool(tiny_hidden_engine, tiny_llama_dir, tmp_
     printed = captured.out
     # the steps between scoring and fitting say how long they took (invisible otherwise)
     assert f"score cache {tmp_path / 'scores.npz'} saved (" in captured.err
+    assert "rows' scores gathered in" in captured.err and "rows ready after" in captured.err
     manifest = read_manifest()
     for source in manifest.sources:  # every source named with its licence
         assert f"  {source.name}: " in printed and source.licence in printed

@@ -19,7 +19,8 @@
 # KV cache is capped (4,096 blocks): calibration's data-mean memos hold the whole stream per KV
 # slot, and with vLLM's default memory share they do not fit (refused at install).
 # tokenfit: the time of one token model of calibrate's token read-out on the GPU: one 1B layer
-# (2,048) and three layers of the 1B and 8B shapes (6,144, 12,288; benchmarks/token_fit_speed.py).
+# (2,048) and three layers of the 1B and 8B shapes (6,144, 12,288; benchmarks/token_fit_speed.py);
+# then the 84 models of a calibration fitted together on labels at random, 3 one at a time beside.
 set -uo pipefail
 step=${1:?usage: gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|profile|ab|serve|calibrate1b|calibrate8b|tokenfit}
 out=${OUT:-$PWD/gpu-out}
@@ -69,13 +70,18 @@ build_dummy_model; print(build_dummy_model('$shape', Path('/tmp/guardrail-bench'
     start=$(date +%s.%N)
     # the score cache on the machine's disk: a rerun of the step in the same lease resumes
     # after scoring if the first ran out of time in the fits
-    PYTHONUNBUFFERED=1 timeout 570 python3 -m guardrail.cli calibrate --model "$model" \
-      --out "$out/calibrate_$shape" --scores-cache "/tmp/calibrate_$shape.npz" \
+    # written straight to $out (unbuffered): a call cut short still brings back what it printed
+    PYTHONUNBUFFERED=1 timeout "${CALIBRATE_LIMIT:-570}" python3 -m guardrail.cli calibrate \
+      --model "$model" --out "$out/calibrate_$shape" --scores-cache "/tmp/calibrate_$shape.npz" \
       --engine-arg load_format=dummy --engine-arg num_gpu_blocks_override=4096 \
-      --batch-size 64 2>&1 | quiet | tr '\r' '\n' | grep -v "^$" | tee "$out/calibrate_$shape.log" | tail -40
+      --batch-size 64 > "$out/calibrate_$shape.log" 2>&1
+    tr '\r' '\n' < "$out/calibrate_$shape.log" | quiet | grep -v "^$" | tail -40
     echo "calibrate $shape: $(python3 -c "import time; print(round(time.time() - $start, 1))") s \
 wall, engine start included" | tee "$out/calibrate_$shape.time" ;;
   tokenfit) python3 benchmarks/token_fit_speed.py --widths 2048 6144 12288 \
-    --out "$out/token_fit_speed.json" 2>&1 | grep "^{" ;;
+    --out "$out/token_fit_speed.json" 2>&1 | grep "^{"
+    # the 84 models of a calibration together, on labels at random (as dummy weights give)
+    python3 benchmarks/token_fit_speed.py --widths 6144 12288 --labels noise --together \
+      --compare 3 --out "$out/token_fit_together.json" 2>&1 | grep "^{" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

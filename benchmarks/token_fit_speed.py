@@ -1,14 +1,20 @@
-"""Time of one token model of ``guardrail calibrate``'s token read-out, by fitter and width.
+"""Time of ``guardrail calibrate``'s token models, by fitter and width: one at a time, and all 84
+fitted together on a device as calibration does there (``--together``).
 
 The read-out fits 84 token models (7 scopes x 3 C x (3 folds + all rows); docs/detection.md) on
 the sampled streams of the pool: about 2,900 rows x 48 tokens = 138k samples of the model's
 hidden width. This script times :func:`guardrail.offline.token_readout.fit_tokens` on samples
 of that size with a planted direction (what is timed is the solver, not detection): torch's
 L-BFGS on a GPU where there is one, scikit-learn on the host for the widths asked
-(``--host-widths``; minutes each at 2,048).
+(``--host-widths``; minutes each at 2,048). ``--labels noise`` draws labels at random instead
+(what a dummy-weight model's streams give: the solver runs far longer). ``--together`` also
+times :func:`~guardrail.offline.token_readout.fit_tokens_jointly` on the 84 problems a
+calibration of 6 sources fits (each scope: every row, or every row but one source's; 3 folds
+and all its rows; 3 C), and the first ``--compare`` of them one at a time beside it.
 
 Usage:
     python benchmarks/token_fit_speed.py --widths 576 2048 4096 --out results.json
+    python benchmarks/token_fit_speed.py --widths 6144 12288 --labels noise --together --out r.json
 """
 
 from __future__ import annotations
@@ -16,17 +22,23 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from guardrail.offline.token_readout import TOKEN_C_GRID, fit_tokens
+from guardrail.offline.token_readout import TOKEN_C_GRID, fit_tokens, fit_tokens_jointly
 
 
-def samples(rows: int, per_row: int, width: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Streams-like samples: per-dimension offsets and scales, labels from a planted direction."""
+def samples(
+    rows: int, per_row: int, width: int, noise: bool = False, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Streams-like samples: per-dimension offsets and scales, labels from a planted direction
+    (``noise``: each row's label at random, its samples sharing it)."""
     rng = np.random.default_rng(seed)
     n = rows * per_row
     x = rng.standard_normal((n, width), dtype=np.float32)
@@ -34,7 +46,32 @@ def samples(rows: int, per_row: int, width: int, seed: int = 0) -> tuple[np.ndar
     x += rng.normal(0, 2, width).astype(np.float32)
     margin = x[:, :64] @ rng.normal(0, 1, 64).astype(np.float32) / 16
     y = (margin + rng.logistic(0, 1, n) > 0).astype(int)
+    if noise:
+        y = np.repeat(rng.integers(0, 2, rows), per_row)
     return x, y
+
+
+def calibration_problems(rows: int, per_row: int) -> list[tuple[np.ndarray, float]]:
+    """The 84 (samples, C) of a calibration on 6 sources (module doc): rows of source
+    ``row % 6``, folds at random by row."""
+    rng = np.random.default_rng(1)
+    source, fold = np.arange(rows) % 6, rng.integers(0, 3, rows)
+    scopes = [np.ones(rows, dtype=bool)] + [source != s for s in range(6)]
+    problems = []
+    for scope in scopes:
+        for c in TOKEN_C_GRID:
+            for f in (0, 1, 2, -1):
+                train = scope if f == -1 else scope & (fold != f)
+                problems.append((np.repeat(train, per_row), c))
+    return problems
+
+
+def _timed(fit: Callable[[], Any], device: str | None) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fit()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - start
 
 
 def main() -> None:
@@ -43,12 +80,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2884)
     parser.add_argument("--per-row", type=int, default=48)
     parser.add_argument("--host-widths", type=int, nargs="*", default=[])
+    parser.add_argument("--labels", choices=["planted", "noise"], default="planted")
+    parser.add_argument("--together", action="store_true", help="time the 84 models together")
+    parser.add_argument("--compare", type=int, default=3, help="of them, timed one at a time")
+    parser.add_argument("--device", help="torch's device (default: cuda where there is one)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else None
+    device = args.device or ("cuda" if torch.cuda.is_available() else None)
     cases = [(w, device, c) for w in args.widths for c in TOKEN_C_GRID]
     cases += [(w, None, c) for w in args.host_widths for c in TOKEN_C_GRID if device is not None]
-    data = {w: samples(args.rows, args.per_row, w) for w in sorted({w for w, _, _ in cases})}
+    noise = args.labels == "noise"
+    widths = sorted({w for w, _, _ in cases})
+    data = {w: samples(args.rows, args.per_row, w, noise) for w in widths}
     results = []
     for width, where, c in tqdm(cases, desc="token fits", unit="fit"):
         x, y = data[width]
@@ -62,14 +105,38 @@ def main() -> None:
                 "width": width,
                 "samples": len(y),
                 "fitter": "scikit-learn (host)" if where is None else f"torch L-BFGS ({where})",
+                "labels": args.labels,
                 "C": c,
                 "seconds": round(seconds, 3),
                 "finite": bool(np.isfinite(model.coef).all()),
             }
         )
         print(json.dumps(results[-1]), flush=True)
+    if args.together and device is not None:
+        problems = calibration_problems(args.rows, args.per_row)
+        for width in tqdm(args.widths, desc="84 models together", unit="width"):
+            x, y = data[width]
+            models, together = _timed(
+                partial(fit_tokens_jointly, x, y, problems, (0,), device), device
+            )
+            one_by_one = sum(
+                _timed(partial(fit_tokens, x[m], y[m], (0,), c, device), device)[1]
+                for m, c in problems[: args.compare]
+            )
+            results.append(
+                {
+                    "width": width,
+                    "samples": len(y),
+                    "labels": args.labels,
+                    "fitter": f"torch L-BFGS ({device}), {len(problems)} models together",
+                    "seconds": round(together, 3),
+                    "one_at_a_time": {"models": args.compare, "seconds": round(one_by_one, 3)},
+                    "finite": bool(all(np.isfinite(m.coef).all() for m in models)),
+                }
+            )
+            print(json.dumps(results[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    machine = torch.cuda.get_device_name() if device else "host CPU"
+    machine = torch.cuda.get_device_name() if device == "cuda" else "host CPU"
     args.out.write_text(json.dumps({"device": machine, "results": results}, indent=1) + "\n")
 
 

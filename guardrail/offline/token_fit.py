@@ -27,7 +27,7 @@ from guardrail.offline.token_readout import (
     TOKEN_K_GRID,
     TokenColumn,
     TokenModel,
-    fit_token_model,
+    fit_token_models,
     pooled,
     token_layers,
 )
@@ -77,15 +77,24 @@ def _fit_all(
     progress: Callable[[str], None],
     device: str | None,
 ) -> _Plan:
+    """Every token model of the plan. On the host, scope after scope; on a device, all of them
+    in one run (:func:`fit_token_models`), the scopes' progress steps after it."""
     plan = _Plan([], {})
+    problems: list[tuple[np.ndarray, float]] = []
     for scope, rows in scopes.items():
         for c in TOKEN_C_GRID:
             for fold in [*np.unique(folds[scope]).tolist(), -1]:
                 train = rows if fold == -1 else rows[folds[scope] != fold]
-                plan.where[(scope, c, fold)] = len(plan.models)
-                model = fit_token_model(pool.table, train, pool.labels, layers, c, device)
-                plan.models.append(model)
-        progress(f"token models ({scope})")
+                plan.where[(scope, c, fold)] = len(problems)
+                problems.append((train, c))
+        if device is None:
+            fitted = fit_token_models(pool.table, problems[len(plan.models) :], pool.labels, layers)
+            plan.models.extend(fitted)
+            progress(f"token models ({scope})")
+    if device is not None:
+        plan.models = fit_token_models(pool.table, problems, pool.labels, layers, device)
+        for scope in scopes:
+            progress(f"token models ({scope}, fitted together on {device})")
     return plan
 
 

@@ -53,7 +53,9 @@ __all__ = [
     "TokenModel",
     "attack_positions",
     "fit_token_model",
+    "fit_token_models",
     "fit_tokens",
+    "fit_tokens_jointly",
     "models_sha256",
     "pooled",
     "sample_positions",
@@ -116,7 +118,9 @@ def fit_tokens(
     ``device``: None fits with scikit-learn on the host (what the shipped configs were made
     with; 3-4 s a model at SmolLM2's 576-wide stream on 2 cores); a torch device (``"cuda"``)
     minimises the same objective with torch's L-BFGS there, for wide streams on a GPU machine
-    (its time there is not measured yet: ``benchmarks/token_fit_speed.py``). Should the
+    (about 1 s a model at 12,288 coordinates on an H100 with a planted direction, 22 s on a
+    dummy-weight model's streams: calibration fits its models together there,
+    :func:`fit_tokens_jointly`). Should the
     device run out of memory (the samples as float64 take ``8 x tokens x hidden`` bytes there:
     4.5 GB at 138k x 4,096, next to the engine's share), the model is fitted on the host
     instead, with a warning: slower, never a failed calibration.
@@ -180,6 +184,113 @@ def _fit_torch(
     return found[:-1], float(found[-1]), mean.cpu().numpy(), std.cpu().numpy()
 
 
+def fit_tokens_jointly(
+    x: np.ndarray,
+    y: np.ndarray,
+    problems: Sequence[tuple[np.ndarray, float]],
+    layers: Sequence[int],
+    device: str,
+) -> list[TokenModel]:
+    """:func:`fit_tokens` of each problem ``(mask, c)`` (``mask [tokens]``: its samples of
+    ``x``) on ``device``, all in one L-BFGS run: the same objective per problem (its samples
+    standardised by their own mean and std, its C), summed; the problems share no parameter,
+    so the sum's minimum is each one's. The samples travel and are widened once, and each step
+    reads them once for every problem (one ``[tokens, width] @ [width, problems]`` product),
+    where one fit per problem reads them once per step per problem: calibration's 84 token
+    models at once (their fits were 22 s each at three 8B layers on an H100, one at a time).
+    Refused (``torch.OutOfMemoryError``) when the device cannot hold the samples in float64."""
+    import torch
+
+    if not problems:
+        return []
+    masks = torch.as_tensor(np.stack([np.asarray(m, dtype=bool) for m, _ in problems], axis=1))
+    # moved in the stored dtype, widened there; a copy, never the caller's array
+    z = torch.from_numpy(np.ascontiguousarray(x)).to(device).to(torch.float64, copy=True)
+    weights = masks.to(device=device, dtype=torch.float64)  # [tokens, problems]
+    counts = weights.sum(0)
+    # every problem's mean and variance, from the samples centred and scaled once (a chunked
+    # product: no temporary of the samples' size)
+    var, mean = torch.var_mean(z, dim=0, correction=0)
+    scale = var.sqrt_().add_(1e-6)
+    z.sub_(mean).div_(scale)
+    first = z.T @ weights / counts  # [width, problems]
+    second = torch.zeros_like(first)
+    for lo in range(0, z.shape[0], 8192):
+        part = z[lo : lo + 8192]
+        second.addmm_(part.square().T, weights[lo : lo + 8192])
+    spread = (second / counts - first.square()).clamp_(min=0).sqrt_()
+    std = scale[:, None] * spread + 1e-6  # each problem's std of the raw streams
+    ratio = scale[:, None] / std  # its standardised coordinates from the shared ones
+    sign = torch.as_tensor(np.asarray(y), device=device).double().mul_(2).sub_(1)[:, None]
+    c = torch.tensor([float(c) for _, c in problems], dtype=torch.float64, device=device)
+    width = z.shape[1]
+    params = torch.zeros(width + 1, len(problems), dtype=torch.float64, device=device)
+    params.requires_grad_(True)
+    solver = torch.optim.LBFGS(
+        [params], max_iter=3000, tolerance_grad=1e-6, line_search_fn="strong_wolfe"
+    )
+
+    def loss() -> torch.Tensor:
+        solver.zero_grad()
+        w, b = params[:-1], params[-1]
+        v = w * ratio  # the problem's weights on the shared coordinates
+        logits = z @ v - (first * v).sum(0) + b  # [tokens, problems]
+        per_problem = (torch.nn.functional.softplus(-sign * logits) * weights).sum(0) / counts
+        value = (per_problem + w.square().sum(0) / (2 * c * counts)).sum()
+        value.backward()
+        return value
+
+    solver.step(loss)
+    found = params.detach()
+    raw_mean = mean[:, None] + scale[:, None] * first  # each problem's mean of the raw streams
+    coef = found[:-1] / std
+    intercept = found[-1] - (raw_mean * coef).sum(0)
+    coef_host, intercept_host = coef.cpu().numpy(), intercept.cpu().numpy()
+    chosen = token_layers(layers)
+    return [
+        TokenModel(chosen, coef_host[:, j].copy(), float(intercept_host[j]), float(c_j))
+        for j, (_, c_j) in enumerate(problems)
+    ]
+
+
+def fit_token_models(
+    table: ScoreTable,
+    problems: Sequence[tuple[np.ndarray, float]],
+    labels: np.ndarray,
+    layers: Sequence[int],
+    device: str | None = None,
+) -> list[TokenModel]:
+    """:func:`fit_token_model` of each problem ``(rows, c)``: on the host one after another;
+    on ``device`` all at once (:func:`fit_tokens_jointly`), or one at a time there should it
+    not hold them all, or on the host (with a warning) should it not hold even one."""
+    if device is None or not problems:
+        return [fit_token_model(table, rows, labels, layers, c) for rows, c in problems]
+    import torch
+
+    layers = token_layers(layers)
+    _check_token_layers(table, layers)
+    union = np.unique(np.concatenate([np.asarray(rows, dtype=np.int64) for rows, _ in problems]))
+    samples, counts = table.token_index(union)
+    y = np.repeat(labels[union], counts).astype(int)
+    x = np.concatenate([table.tokens[layer][samples] for layer in layers], axis=1)
+    masks = [(np.repeat(np.isin(union, rows), counts), c) for rows, c in problems]
+    try:
+        return fit_tokens_jointly(x, y, masks, layers, device)
+    except torch.OutOfMemoryError:  # one at a time, from the memory the attempt held
+        del x
+        torch.cuda.empty_cache()
+        return [fit_token_model(table, rows, labels, layers, c, device) for rows, c in problems]
+    finally:  # the samples' memory back to the device: calibration's second pass starts an engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _check_token_layers(table: ScoreTable, layers: Sequence[int]) -> None:
+    missing = [layer for layer in layers if layer not in table.tokens]
+    if missing:
+        raise ConfigError(f"the scores hold no sampled token streams of layers {missing}")
+
+
 def fit_token_model(
     table: ScoreTable,
     rows: np.ndarray,
@@ -191,9 +302,7 @@ def fit_token_model(
     """:func:`fit_tokens` on the sampled tokens of ``rows`` of ``table`` at ``layers`` (each
     token labelled with its row: an injected row's samples are its attack text's tokens)."""
     layers = token_layers(layers)
-    missing = [layer for layer in layers if layer not in table.tokens]
-    if missing:
-        raise ConfigError(f"the scores hold no sampled token streams of layers {missing}")
+    _check_token_layers(table, layers)
     samples, counts = table.token_index(rows)  # one gather, not a copy per row
     y = np.repeat(labels[rows], counts).astype(int)
     x = np.concatenate([table.tokens[layer][samples] for layer in layers], axis=1)

@@ -1,15 +1,24 @@
-"""The token models' two fitters minimise the same objective: torch's L-BFGS (what a GPU
-calibration uses) reaches scikit-learn's optimum or a lower point of the same objective, and
-``fit_token_model`` gathers exactly each row's own samples."""
+"""The token models' fitters minimise the same objective: torch's L-BFGS (what a GPU
+calibration uses), one model at a time or every model of a calibration at once, reaches
+scikit-learn's optimum or a lower point of the same objective, and ``fit_token_model(s)``
+gather exactly each row's own samples."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
 
 from guardrail.errors import ConfigError
 from guardrail.offline.datasets import ScoreTable
-from guardrail.offline.token_readout import TokenModel, fit_token_model, fit_tokens
+from guardrail.offline.token_readout import (
+    TokenModel,
+    fit_token_model,
+    fit_token_models,
+    fit_tokens,
+    fit_tokens_jointly,
+)
 
 
 def _data(n: int = 4000, width: int = 48, seed: int = 7) -> tuple[np.ndarray, np.ndarray]:
@@ -102,3 +111,92 @@ def test_a_device_out_of_memory_fits_on_the_host(monkeypatch) -> None:
     host = fit_tokens(x, y, layers=(2,), c=0.2)
     np.testing.assert_array_equal(fallen_back.coef, host.coef)
     assert fallen_back.intercept == host.intercept
+
+
+def test_models_fitted_together_reach_each_ones_optimum() -> None:
+    """Twelve problems (three C, four sample subsets, as calibration's folds) in one run: each
+    model reaches scikit-learn's optimum of its own objective, its samples standardised by their
+    own mean and std, and gives the logits of its own fit."""
+    x, y = _data(3000, 40)
+    folds = np.random.default_rng(5).integers(0, 3, len(y))
+    masks = [folds != f for f in range(3)] + [np.ones(len(y), dtype=bool)]
+    problems = [(m, c) for c in (0.01, 0.05, 0.2) for m in masks]
+    together = fit_tokens_jointly(x, y, problems, layers=(6, 2), device="cpu")
+    assert len(together) == len(problems)
+    for (mask, c), model in zip(problems, together, strict=True):
+        own = fit_tokens(x[mask], y[mask], layers=(2, 6), c=c)
+        assert (model.layers, model.c) == ((2, 6), c)
+        assert _objective(model, x[mask], y[mask]) <= _objective(own, x[mask], y[mask]) + 1e-9
+        spread = np.ptp(own.logits(x[mask]))
+        assert np.abs(model.logits(x[mask]) - own.logits(x[mask])).max() < 2e-3 * spread
+
+
+def test_fit_token_models_gathers_each_problems_rows() -> None:
+    """On a device, ``fit_token_models`` fits every (rows, C) at once on the union of their rows'
+    samples: each model equals ``fit_token_model`` of its own rows (same optimum)."""
+    x, _ = _data(400, 6)
+    counts = np.random.default_rng(2).integers(0, 9, 60)
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    table = ScoreTable(
+        "m",
+        [(0, 0)],
+        [f"k{i}" for i in range(60)],
+        np.zeros((60, 1, 5)),
+        np.arange(60),
+        np.arange(60),
+        tokens={3: x[: offsets[-1]]},
+        token_offsets=offsets,
+    )
+    labels = (np.arange(60) % 5 < 2).astype(int)
+    problems = [(np.arange(0, 60, 2 + k), c) for k, c in ((0, 0.05), (1, 0.2), (0, 0.2))]
+    problems.append((np.array([5, 1, 40, 33, 8, 21, 22, 59]), 0.1))
+    together = fit_token_models(table, problems, labels, layers=(3,), device="cpu")
+    for (rows, c), model in zip(problems, together, strict=True):
+        samples, row_counts = table.token_index(rows)
+        xs, ys = table.tokens[3][samples], np.repeat(labels[rows], row_counts)
+        own = fit_token_model(table, rows, labels, layers=(3,), c=c)
+        assert _objective(model, xs, ys) <= _objective(own, xs, ys) + 1e-9
+    host = fit_token_models(table, problems[:2], labels, layers=(3,))
+    for (rows, c), model in zip(problems[:2], host, strict=True):
+        np.testing.assert_array_equal(
+            model.coef, fit_token_model(table, rows, labels, (3,), c).coef
+        )
+
+
+def test_the_read_out_fitted_on_a_device_chooses_as_the_hosts() -> None:
+    """``fit_token_readout`` with a torch device fits its models all at once; each equals the
+    host's fit of the same scope, fold and C, and the progress steps are the host's."""
+    from guardrail.offline.token_fit import fit_token_readout
+    from guardrail.offline.token_readout import top_logits
+    from tests.unit.test_offline_transfer import RECIPE, synthetic_pool
+
+    base = synthetic_pool(3)
+    rng = np.random.default_rng(8)
+    n = len(base.rows)
+    counts = rng.integers(4, 9, n)
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    tokens = rng.normal(0, 1, (int(offsets[-1]), 8)).astype(np.float32)
+    tokens[np.repeat(base.labels == 1, counts), 2] += 1.0
+    table = base.table
+    table.tokens, table.token_offsets = {1: tokens}, offsets
+    pool = type(base)(base.rows, table)
+    index = np.flatnonzero(pool.corpus != "test")
+
+    def tops_of(models: list[TokenModel]) -> np.ndarray:
+        return np.stack([top_logits(tokens[a:b], models) for a, b in itertools.pairwise(offsets)])
+
+    runs = {}
+    for device in (None, "cpu"):
+        steps: list[str] = []
+        runs[device] = (
+            fit_token_readout(
+                pool, index, RECIPE, [1], [1], [1], [1], tops_of, steps.append, device
+            ),
+            steps,
+        )
+    (host, host_steps), (joint, joint_steps) = runs[None], runs["cpu"]
+    assert host.models == joint.models == 5 * 3 * 4  # the pool and 4 sources left out
+    assert len(host_steps) == len(joint_steps)
+    assert host.cv.keys() == joint.cv.keys()
+    for key, value in host.cv.items():
+        assert joint.cv[key] == pytest.approx(value, abs=2e-3)

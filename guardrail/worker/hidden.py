@@ -280,15 +280,24 @@ class HiddenReader:
 
     def read_positions(self, rows: StepRows) -> None:
         """The whole streams at the prompt positions rows asked for (``stream_positions``),
-        from the raw memo, copied to the host: calibration engines only, so the copy's
-        synchronisation costs nothing that matters."""
+        from the raw memo, copied to the host in one gather and one copy for the step's rows
+        (calibration engines only: the copy's synchronisation costs nothing that matters)."""
         assert self.raw_memo is not None and rows.slots is not None
+        asked: list[tuple[int, int, list[int]]] = []
         for r, i in enumerate(rows.ok):
             positions = rows.positions[i]
             if positions:
-                at = torch.as_tensor(positions, dtype=torch.long, device=rows.slots.device)
-                states = self.raw_memo[rows.slots[r].index_select(0, at)]
-                rows.token_states.setdefault(self.index, {})[i] = states.float().cpu()
+                asked.append((r, i, positions))
+        if not asked:
+            return
+        table_rows = [r for r, _, positions in asked for _ in positions]
+        at = [p for _, _, positions in asked for p in positions]
+        index = torch.as_tensor([table_rows, at], dtype=torch.long).to(rows.slots.device)
+        states = self.raw_memo[rows.slots[index[0], index[1]]].float().cpu()
+        by_row = rows.token_states.setdefault(self.index, {})
+        parts = states.split([len(positions) for _, _, positions in asked])
+        for (_, i, _), part in zip(asked, parts, strict=True):
+            by_row[i] = part
 
 
 def make_hidden_read(probe: Any, reader: HiddenReader, runner: Any) -> Any:

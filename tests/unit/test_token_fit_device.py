@@ -200,3 +200,36 @@ def test_the_read_out_fitted_on_a_device_chooses_as_the_hosts() -> None:
     assert host.cv.keys() == joint.cv.keys()
     for key, value in host.cv.items():
         assert joint.cv[key] == pytest.approx(value, abs=2e-3)
+
+
+def test_a_device_too_small_for_all_models_fits_them_one_at_a_time(monkeypatch) -> None:
+    """Should the device not hold every model's samples at once (CUDA's out-of-memory error,
+    raised here in the joint fitter's place), the models are fitted one at a time there: the
+    same models, never a failed calibration."""
+    import torch
+
+    from guardrail.offline import token_readout
+
+    def out_of_memory(*args: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 13.60 GiB")
+
+    x, _ = _data(300, 4)
+    counts = np.full(50, 6)
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    table = ScoreTable(
+        "m",
+        [(0, 0)],
+        [f"k{i}" for i in range(50)],
+        np.zeros((50, 1, 5)),
+        np.arange(50),
+        np.arange(50),
+        tokens={1: x},
+        token_offsets=offsets,
+    )
+    labels = (np.arange(50) % 3 == 0).astype(int)
+    problems = [(np.arange(0, 50), 0.05), (np.arange(0, 50, 2), 0.2)]
+    monkeypatch.setattr(token_readout, "fit_tokens_jointly", out_of_memory)
+    fitted = fit_token_models(table, problems, labels, layers=(1,), device="cpu")
+    for (rows, c), model in zip(problems, fitted, strict=True):
+        alone = fit_token_model(table, rows, labels, (1,), c, device="cpu")
+        np.testing.assert_array_equal(model.coef, alone.coef)

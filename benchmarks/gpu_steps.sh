@@ -70,8 +70,9 @@ build_dummy_model; print(build_dummy_model('$shape', Path('/tmp/guardrail-bench'
     start=$(date +%s.%N)
     # the score cache on the machine's disk: a rerun of the step in the same lease resumes
     # after scoring if the first ran out of time in the fits
-    # written straight to $out (unbuffered): a call cut short still brings back what it printed
-    PYTHONUNBUFFERED=1 timeout "${CALIBRATE_LIMIT:-570}" python3 -m guardrail.cli calibrate \
+    # written straight to $out (unbuffered): a call cut short still brings back what it printed;
+    # 540 s, so that a call which staged first (about 30 s) ends inside its 600 s
+    PYTHONUNBUFFERED=1 timeout "${CALIBRATE_LIMIT:-540}" python3 -m guardrail.cli calibrate \
       --model "$model" --out "$out/calibrate_$shape" --scores-cache "/tmp/calibrate_$shape.npz" \
       --engine-arg load_format=dummy --engine-arg num_gpu_blocks_override=4096 \
       --batch-size 64 > "$out/calibrate_$shape.log" 2>&1

@@ -36,6 +36,23 @@ def _objective(model: TokenModel, x: np.ndarray, y: np.ndarray) -> float:
     return float(np.logaddexp(0, -margin).mean() + weights @ weights / (2 * model.c * len(y)))
 
 
+def _token_table(layer: int, x: np.ndarray, counts: np.ndarray) -> ScoreTable:
+    """A score table of ``len(counts)`` rows whose sampled tokens of ``layer`` are ``x``'s
+    first rows, ``counts[r]`` for row r."""
+    offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    n = len(counts)
+    return ScoreTable(
+        "m",
+        [(0, 0)],
+        [f"k{i}" for i in range(n)],
+        np.zeros((n, 1, 5)),
+        np.arange(n),
+        np.arange(n),
+        tokens={layer: x[: offsets[-1]]},
+        token_offsets=offsets,
+    )
+
+
 @pytest.mark.parametrize("c", [0.01, 0.2])
 def test_torch_reaches_scikit_learns_optimum(c: float) -> None:
     x, y = _data()
@@ -135,18 +152,7 @@ def test_fit_token_models_gathers_each_problems_rows() -> None:
     """On a device, ``fit_token_models`` fits every (rows, C) at once on the union of their rows'
     samples: each model equals ``fit_token_model`` of its own rows (same optimum)."""
     x, _ = _data(400, 6)
-    counts = np.random.default_rng(2).integers(0, 9, 60)
-    offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
-    table = ScoreTable(
-        "m",
-        [(0, 0)],
-        [f"k{i}" for i in range(60)],
-        np.zeros((60, 1, 5)),
-        np.arange(60),
-        np.arange(60),
-        tokens={3: x[: offsets[-1]]},
-        token_offsets=offsets,
-    )
+    table = _token_table(3, x, np.random.default_rng(2).integers(0, 9, 60))
     labels = (np.arange(60) % 5 < 2).astype(int)
     problems = [(np.arange(0, 60, 2 + k), c) for k, c in ((0, 0.05), (1, 0.2), (0, 0.2))]
     problems.append((np.array([5, 1, 40, 33, 8, 21, 22, 59]), 0.1))
@@ -214,18 +220,7 @@ def test_a_device_too_small_for_all_models_fits_them_one_at_a_time(monkeypatch) 
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 13.60 GiB")
 
     x, _ = _data(300, 4)
-    counts = np.full(50, 6)
-    offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
-    table = ScoreTable(
-        "m",
-        [(0, 0)],
-        [f"k{i}" for i in range(50)],
-        np.zeros((50, 1, 5)),
-        np.arange(50),
-        np.arange(50),
-        tokens={1: x},
-        token_offsets=offsets,
-    )
+    table = _token_table(1, x, np.full(50, 6))
     labels = (np.arange(50) % 3 == 0).astype(int)
     problems = [(np.arange(0, 50), 0.05), (np.arange(0, 50, 2), 0.2)]
     monkeypatch.setattr(token_readout, "fit_tokens_jointly", out_of_memory)

@@ -155,6 +155,7 @@ def main() -> None:
     if args.streams is not None:  # a calibration's own sampled streams in place of the draws
         x, y = pool_streams(args.streams, args.stream_layers, args.rows, args.per_row)
         args.widths, data = [x.shape[1]], {x.shape[1]: (x, y)}
+        args.labels = f"noise, streams of layers {args.stream_layers} of {args.streams.name}"
         cases = [(x.shape[1], device, c) for c in TOKEN_C_GRID]
     results = []
     for width, where, c in tqdm(cases, desc="token fits", unit="fit"):

@@ -229,7 +229,8 @@ def fit_tokens_jointly(
     params = torch.zeros(width + 1, len(problems), dtype=torch.float64, device=device)
     params.requires_grad_(True)
     # more steps than one model's 3,000: the shared line search makes the joint run take a few
-    # times one model's (629 evaluations for 84 models where one took 194 on average, on CPU)
+    # times one model's (785 evaluations for 84 models where one took 215 on average, on the
+    # CPU: benchmarks/results/token_fit_together_cpu_071827a.json)
     solver = torch.optim.LBFGS(
         [params], max_iter=JOINT_MAX_ITER, tolerance_grad=1e-6, line_search_fn="strong_wolfe"
     )

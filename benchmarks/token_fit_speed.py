@@ -149,14 +149,14 @@ def main() -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else None)
     cases = [(w, device, c) for w in args.widths for c in TOKEN_C_GRID]
     cases += [(w, None, c) for w in args.host_widths for c in TOKEN_C_GRID if device is not None]
-    noise = args.labels == "noise"
-    widths = sorted({w for w, _, _ in cases})
-    data = {w: samples(args.rows, args.per_row, w, noise) for w in widths}
     if args.streams is not None:  # a calibration's own sampled streams in place of the draws
         x, y = pool_streams(args.streams, args.stream_layers, args.rows, args.per_row)
         args.widths, data = [x.shape[1]], {x.shape[1]: (x, y)}
         args.labels = f"noise, streams of layers {args.stream_layers} of {args.streams.name}"
         cases = [(x.shape[1], device, c) for c in TOKEN_C_GRID]
+    else:
+        widths = sorted({w for w, _, _ in cases})
+        data = {w: samples(args.rows, args.per_row, w, args.labels == "noise") for w in widths}
     results = []
     for width, where, c in tqdm(cases, desc="token fits", unit="fit"):
         x, y = data[width]

@@ -210,14 +210,13 @@ def fit_tokens_jointly(
     z = torch.from_numpy(np.ascontiguousarray(x)).to(device).to(torch.float64, copy=True)
     weights = masks.to(device=device, dtype=torch.float64)  # [tokens, problems]
     counts = weights.sum(0)
-    # every problem's mean and variance, from the samples centred and scaled once (a chunked
-    # product: no temporary of the samples' size)
+    # every problem's mean and variance, from the samples centred and scaled once
     var, mean = torch.var_mean(z, dim=0, correction=0)
     scale = var.sqrt_().add_(1e-6)
     z.sub_(mean).div_(scale)
     first = z.T @ weights / counts  # [width, problems]
     second = torch.zeros_like(first)
-    for lo in range(0, z.shape[0], 8192):
+    for lo in range(0, z.shape[0], 8192):  # in chunks: no temporary of the samples' size
         part = z[lo : lo + 8192]
         second.addmm_(part.square().T, weights[lo : lo + 8192])
     spread = (second / counts - first.square()).clamp_(min=0).sqrt_()
@@ -273,11 +272,8 @@ def fit_token_models(
     import torch
 
     layers = token_layers(layers)
-    _check_token_layers(table, layers)
     union = np.unique(np.concatenate([np.asarray(rows, dtype=np.int64) for rows, _ in problems]))
-    samples, counts = table.token_index(union)
-    y = np.repeat(labels[union], counts).astype(int)
-    x = np.concatenate([table.tokens[layer][samples] for layer in layers], axis=1)
+    x, y, counts = _token_samples(table, union, labels, layers)
     masks = [(np.repeat(np.isin(union, rows), counts), c) for rows, c in problems]
     try:
         return fit_tokens_jointly(x, y, masks, layers, device)
@@ -290,10 +286,18 @@ def fit_token_models(
             torch.cuda.empty_cache()
 
 
-def _check_token_layers(table: ScoreTable, layers: Sequence[int]) -> None:
+def _token_samples(
+    table: ScoreTable, rows: np.ndarray, labels: np.ndarray, layers: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sampled tokens of ``rows`` at ``layers`` side by side, each labelled with its row,
+    and each row's count of them."""
     missing = [layer for layer in layers if layer not in table.tokens]
     if missing:
         raise ConfigError(f"the scores hold no sampled token streams of layers {missing}")
+    samples, counts = table.token_index(rows)  # one gather, not a copy per row
+    y = np.repeat(labels[rows], counts).astype(int)
+    x = np.concatenate([table.tokens[layer][samples] for layer in layers], axis=1)
+    return x, y, counts
 
 
 def fit_token_model(
@@ -307,10 +311,7 @@ def fit_token_model(
     """:func:`fit_tokens` on the sampled tokens of ``rows`` of ``table`` at ``layers`` (each
     token labelled with its row: an injected row's samples are its attack text's tokens)."""
     layers = token_layers(layers)
-    _check_token_layers(table, layers)
-    samples, counts = table.token_index(rows)  # one gather, not a copy per row
-    y = np.repeat(labels[rows], counts).astype(int)
-    x = np.concatenate([table.tokens[layer][samples] for layer in layers], axis=1)
+    x, y, _ = _token_samples(table, rows, labels, layers)
     return fit_tokens(x, y, layers, c, device)
 
 

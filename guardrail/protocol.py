@@ -206,6 +206,9 @@ class PoppedResults(TypedDict):
 
     heads: list[list[int]]  # [[layer, head], ...]
     results: dict[str, ProbeResultData]
+    # keys asked for that the worker's pusher took (``RPC_PUSH_RESULTS``): sent, or being sent,
+    # to the caller's socket, so not here; the caller waits for them there
+    pushed: NotRequired[list[str]]
 
 
 class PushedResults(TypedDict):

@@ -51,7 +51,14 @@ from guardrail.engine.engine_process import (
     is_engine_dead_error,
 )
 from guardrail.engine.hooked_base import HookedBase, refused_as_not_guardable
-from guardrail.engine.inbox import PUSH_WAIT_S, ResultInbox, no_push_args, pushed
+from guardrail.engine.inbox import (
+    IN_TRANSIT_WAIT_S,
+    PUSH_WAIT_S,
+    ResultInbox,
+    in_transit,
+    no_push_args,
+    pushed,
+)
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
     check_self_test,
@@ -260,7 +267,8 @@ class AsyncHookedLLM(HookedBase):
     async def _results(self, key: str, tag: str) -> PerRank:
         """Every rank's results of ``key`` (as ``ProbeClient.result`` takes them): pushed, or
         popped when it did not arrive in time (a pop first waits for the worker's pusher, so
-        the result is then either popped or on its way here)."""
+        the result is then either popped or, if the pop says so, on its way here: waited
+        for)."""
         inbox = self._inbox
         if inbox is None:
             return await self.popper.pop(key)
@@ -270,9 +278,9 @@ class AsyncHookedLLM(HookedBase):
         except TimeoutError:
             inbox.unwait(key, tag)
         per_rank = await self.popper.pop(key)
-        if any(key in rank["results"] for rank in per_rank):
+        if key not in in_transit(per_rank):  # popped, or never made
             return per_rank
-        late = await asyncio.to_thread(inbox.take, [key], tag, PUSH_WAIT_S)
+        late = await asyncio.to_thread(inbox.take, [key], tag, IN_TRANSIT_WAIT_S)
         return [pushed(inbox, late), *per_rank]
 
     async def _rpc(self, method: str, **kwargs: Any) -> Any:

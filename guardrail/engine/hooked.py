@@ -28,7 +28,14 @@ from guardrail.embedded import model_or_embedded
 from guardrail.engine.client import PerRequestArgs, per_request_args, request_count
 from guardrail.engine.engine_process import EngineHandle, abort_unfinished
 from guardrail.engine.hooked_base import HookedBase, refused_as_not_guardable
-from guardrail.engine.inbox import PUSH_WAIT_S, ResultInbox, no_push_args, pushed
+from guardrail.engine.inbox import (
+    IN_TRANSIT_WAIT_S,
+    PUSH_WAIT_S,
+    ResultInbox,
+    in_transit,
+    no_push_args,
+    pushed,
+)
 from guardrail.engine.install import (
     SELF_TEST_REQUEST,
     check_self_test,
@@ -181,7 +188,8 @@ class HookedLLM(HookedBase):
     def _results(self, llm: Any, keys: list[str], tag: str) -> list[PoppedResults]:
         """Every rank's results of ``keys`` (one per rank, as ``ProbeClient.result`` takes
         them): pushed ones as they arrived, the rest popped (a pop first waits for the
-        worker's pusher, so a result is then either popped or on its way here)."""
+        worker's pusher, so a result is then either popped or, if the pop says so, on its way
+        here: waited for)."""
         inbox = self._inbox
         if inbox is None:
             return list(llm.collective_rpc(RPC_POP_RESULTS, args=(keys,)))
@@ -190,8 +198,8 @@ class HookedLLM(HookedBase):
             return [pushed(inbox, found)]
         missing = [k for k in keys if k not in found]
         per_rank = list(llm.collective_rpc(RPC_POP_RESULTS, args=(missing,)))
-        popped = {k for rank in per_rank for k in rank["results"]}
-        late = inbox.take([k for k in missing if k not in popped], tag, PUSH_WAIT_S)
+        on_the_way = in_transit(per_rank)
+        late = inbox.take(on_the_way, tag, IN_TRANSIT_WAIT_S) if on_the_way else {}
         return [pushed(inbox, {**found, **late}), *per_rank]
 
     def prepare(self, request: RequestLike) -> PreparedPrompt:

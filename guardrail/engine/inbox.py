@@ -5,7 +5,8 @@ what the worker of tensor-parallel rank 0 pushes: first its ``hello`` with the h
 each step's results, by probe key and the ``tag`` of the call that sent the request (a result
 of an earlier call with the same key is never taken). The engines ask with
 ``ResultInbox.take`` (blocking, for ``HookedLLM``) or ``ResultInbox.future`` (asyncio, for
-``AsyncHookedLLM``); a result that did not arrive in time is popped as before.
+``AsyncHookedLLM``); a result that did not arrive in time is popped as before, and one the pop
+says is still on its way here (``in_transit``) is waited for up to ``IN_TRANSIT_WAIT_S``.
 
 The engines set it up after installing the probe (``push_args``, ``accepted``), and fall back
 to pops when the workers cannot reach the socket, e.g. an engine on another host.
@@ -44,7 +45,15 @@ from guardrail.protocol import (
     ProbeResultData,
 )
 
-__all__ = ["HELLO_TIMEOUT_S", "PUSH_WAIT_S", "ResultInbox", "no_push_args", "pushed"]
+__all__ = [
+    "HELLO_TIMEOUT_S",
+    "IN_TRANSIT_WAIT_S",
+    "PUSH_WAIT_S",
+    "ResultInbox",
+    "in_transit",
+    "no_push_args",
+    "pushed",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +62,10 @@ HELLO_TIMEOUT_S = 5.0
 PUSH_WAIT_S = 0.5
 """How long a caller waits for a pushed result after the request's output arrived, before it
 pops instead (the result normally arrives first; this bounds a lost one)."""
+IN_TRANSIT_WAIT_S = 60.0
+"""How long a caller waits for results a pop says the worker's pusher took
+(``PoppedResults.pushed``): they are on their way over a local socket, and a large one (the
+streams calibration reads, hundreds of MB a step) takes seconds; past this they are missing."""
 _POLL_MS = 100  # the receiving thread checks for ``close`` this often
 
 Key = tuple[str, str]  # (probe key, tag)
@@ -207,6 +220,13 @@ class ResultInbox:
 def pushed(inbox: ResultInbox, results: dict[str, ProbeResultData]) -> PoppedResults:
     """Pushed results in the shape of one rank's pop, for ``ProbeClient.result``."""
     return {"heads": inbox.heads, "results": results}
+
+
+def in_transit(per_rank: Sequence[PoppedResults]) -> list[str]:
+    """The keys that a pop found with no rank but that a rank's pusher took
+    (``PoppedResults.pushed``): the caller waits for them (``IN_TRANSIT_WAIT_S``)."""
+    popped = {k for rank in per_rank for k in rank["results"]}
+    return sorted({k for rank in per_rank for k in rank.get("pushed", [])} - popped)
 
 
 def no_push_args() -> tuple[None, str]:

@@ -148,11 +148,17 @@ class GuardrailWorkerExtension:
 
     def guardrail_pop_results(self, keys: list[str]) -> PoppedResults:
         """Remove and return the stored results of ``keys`` (missing keys are absent), with the
-        order of the heads in their stats."""
+        order of the heads in their stats, and which of the others the pusher took (on their
+        way to the caller's socket: ``PoppedResults.pushed``)."""
         probe = self._guardrail_probe
         if probe is None:
             return {"heads": [], "results": {}}
-        return {"heads": probe.head_order, "results": probe.pop(keys)}
+        results = probe.pop(keys)  # waits for the pusher first: each result is here or sent
+        popped: PoppedResults = {"heads": probe.head_order, "results": results}
+        pusher = self._guardrail_pusher
+        if pusher is not None:
+            popped["pushed"] = pusher.in_transit([k for k in keys if k not in results])
+        return popped
 
     def guardrail_push_results(self, address: str | None, hello: str) -> bool:
         """Push results to the caller's socket at ``address`` (``guardrail.worker.outbox``),

@@ -10,6 +10,12 @@ the host before the step's sampled tokens are (same stream, earlier), so they no
 caller before the request's output does. Only results whose spec carries the caller's ``tag``
 are pushed; the others, and what cannot be sent, stay in the store for a pop.
 
+A large step (calibration's streams at every data token: hundreds of MB at the 8B shape) can
+take longer to send than the caller waits for it before popping. The pusher therefore remembers
+the keys handed to it (``in_transit``), and a pop names those it did not find in the store but
+the pusher took (``PoppedResults.pushed``): the caller then keeps waiting for them on its socket
+instead of calling them missing.
+
 Example (a worker with no GPU, a caller's socket):
     >>> import zmq, msgspec
     >>> from guardrail.worker.results import ResultStore
@@ -25,9 +31,11 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
-from guardrail.protocol import ProbeResultData, PushedResults
+from guardrail.protocol import MAX_STORED_RESULTS, ProbeResultData, PushedResults
 from guardrail.worker.results import FinishedStep, ResultStore
 
 __all__ = ["ResultPusher"]
@@ -53,7 +61,8 @@ class ResultPusher:
         self._store = store
         self._queue: queue.SimpleQueue[FinishedStep | None] = queue.SimpleQueue()
         self._pending = 0  # steps handed over and not yet sent (or kept)
-        self._idle = threading.Condition()
+        self._idle = threading.Condition()  # also guards ``_taken``
+        self._taken: OrderedDict[str, None] = OrderedDict()  # tagged keys handed over (bounded)
         self.sent = 0  # results sent (for tests and diagnostics)
         self._socket.send(self._encode(PushedResults(hello=hello, heads=heads)), self._noblock)
         self._thread = threading.Thread(target=self._run, name="guardrail-results", daemon=True)
@@ -62,9 +71,25 @@ class ResultPusher:
 
     def submit(self, done: FinishedStep) -> None:
         """Hand over a finished step (vLLM's thread; never blocks)."""
+        rows = done.rows
         with self._idle:
             self._pending += 1
+            for key, tag in zip(rows.keys, rows.tags, strict=False):
+                if tag is not None:
+                    self._taken[key] = None
+            while len(self._taken) > MAX_STORED_RESULTS:
+                self._taken.popitem(last=False)
         self._queue.put(done)
+
+    def in_transit(self, keys: Sequence[str]) -> list[str]:
+        """Those of ``keys`` handed to the pusher (sent, or still being sent), forgotten here
+        once asked for. A result the pusher could not send went back to the store, so a pop
+        that finds it there does not ask for it here."""
+        with self._idle:
+            taken = [k for k in keys if k in self._taken]
+            for key in taken:
+                del self._taken[key]
+            return taken
 
     def flush(self) -> None:
         """Wait until every step handed over was sent or kept in the store."""

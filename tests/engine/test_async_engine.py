@@ -149,6 +149,37 @@ def test_stop_below_ends_the_stream_right_after_prefill(async_engine: Any, run: 
     assert chunk.token_ids == [async_engine.stop_token]
 
 
+def test_a_pushed_result_slower_than_the_wait_is_waited_for_not_missing(
+    async_engine: Any, run: Any, offline: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the offline engine's test of the same name: a result that reaches the caller after it
+    gave up waiting and popped is waited for (the pop says the pusher took it), not missing."""
+    from guardrail.engine.inbox import PUSH_WAIT_S
+
+    inbox = async_engine._inbox
+    assert inbox is not None
+    decode = inbox._decode
+
+    def slow_decode(message: bytes) -> Any:
+        decoded = decode(message)
+        if "results" in decoded:
+            time.sleep(4 * PUSH_WAIT_S)
+        return decoded
+
+    monkeypatch.setattr(inbox, "_decode", slow_decode)
+
+    async def both() -> list[list[Any]]:
+        return await asyncio.gather(
+            *(collect(async_engine.stream(r, sampling(max_tokens=2))) for r in REQUESTS[:2])
+        )
+
+    calls = async_engine.popper.calls
+    for i, chunks in enumerate(run(both())):
+        assert chunks[0].probe.error is None, chunks[0].probe.error
+        assert chunks[0].probe.focus == pytest.approx(offline[i].probe.focus, abs=5e-6)
+    assert async_engine.popper.calls > calls  # they were popped first, then waited for
+
+
 def test_concurrent_requests_each_get_their_own_score_pushed_or_in_batched_pops(
     async_engine: Any, run: Any, offline: list[Any]
 ) -> None:

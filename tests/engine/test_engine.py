@@ -7,6 +7,7 @@ second pass reads the shared system prompt from vLLM's prefix cache.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,35 @@ def test_results_are_pushed_and_popped_when_the_push_stops(tiny_engine):
     received = inbox.received
     tiny_engine.generate(batch[:2], tiny_engine.sampling(max_tokens=1))
     assert inbox.received - received == 2  # pushing again
+
+
+def test_a_pushed_result_slower_than_the_wait_is_waited_for_not_missing(tiny_engine, monkeypatch):
+    """A step's results that take longer to reach the caller than it waits before popping (the
+    streams calibration reads at the 8B shape: hundreds of MB a step, which once came back as
+    "missing" on an H100) are still the request's: the pop says the worker's pusher took them,
+    and the caller waits for them on its socket."""
+    from guardrail.engine.inbox import PUSH_WAIT_S
+
+    inbox = tiny_engine._inbox
+    assert inbox is not None
+    batch = mixed_batch()[:3]
+    fast = tiny_engine.generate(batch, tiny_engine.sampling(max_tokens=1))
+    decode = inbox._decode
+    slow_for = 4 * PUSH_WAIT_S  # longer than the wait before the pop and the old wait after
+
+    def slow_decode(message: bytes):
+        decoded = decode(message)
+        if "results" in decoded:
+            time.sleep(slow_for)
+        return decoded
+
+    monkeypatch.setattr(inbox, "_decode", slow_decode)
+    received = inbox.received
+    slow = tiny_engine.generate(batch, tiny_engine.sampling(max_tokens=1))
+    assert inbox.received - received == len(batch)  # they came pushed, late
+    for a, b in zip(fast, slow, strict=True):
+        assert b.probe.error is None, b.probe.error
+        assert b.probe.focus == pytest.approx(a.probe.focus, abs=1e-6)
 
 
 def test_probe_does_not_change_generated_text(tiny_engine):

@@ -121,3 +121,25 @@ def test_a_silent_worker_is_not_accepted(inbox, monkeypatch):
     monkeypatch.setattr("guardrail.engine.inbox.HELLO_TIMEOUT_S", 0.2)
     assert not inbox.accepted([True])  # nobody said hello
     assert not inbox.accepted([False])  # no rank pushes (pipeline parallelism)
+
+
+def test_the_pusher_names_the_keys_it_took_once_and_a_pop_says_which_are_on_their_way(inbox):
+    from guardrail.engine.inbox import in_transit
+
+    store = ResultStore()
+    pusher = ResultPusher(inbox.address, store, inbox.hello, HEADS)
+    try:
+        store.add(finished_step(["a", "raw"], ["t", None]))
+        popped = store.pop(["a", "raw", "never"])  # waits for the pusher: "a" was sent
+        assert sorted(popped) == ["raw"]  # untagged: kept for the pop
+        taken = pusher.in_transit([k for k in ["a", "raw", "never"] if k not in popped])
+        assert taken == ["a"]  # the tagged one; "never" was never made
+        assert pusher.in_transit(["a"]) == []  # named once
+        ranks = [
+            {"heads": HEADS, "results": popped, "pushed": taken},
+            {"heads": HEADS, "results": {}, "pushed": ["raw"]},  # popped from another rank
+        ]
+        assert in_transit(ranks) == ["a"]
+        assert "a" in inbox.take(["a"], "t", 5.0)
+    finally:
+        pusher.close()

@@ -30,7 +30,9 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,13 +119,41 @@ def feature_matrix(
     return np.concatenate(parts, axis=1)
 
 
-def _oof_logit(x: np.ndarray, y: np.ndarray, folds: np.ndarray, c: float) -> np.ndarray:
-    logit = np.empty(len(y))
-    for fold in np.unique(folds):
+MAX_FIT_THREADS = 16
+"""Threads at most for the cross-validation's fits (``_oof_logits``)."""
+
+
+def _fit_threads(tasks: int) -> int:
+    """Threads for ``tasks`` independent fits: one per core this process may use, at most
+    ``MAX_FIT_THREADS``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(tasks, cores or 1, MAX_FIT_THREADS))
+
+
+def _oof_logits(
+    x: np.ndarray, y: np.ndarray, folds: np.ndarray, c_grid: Sequence[float]
+) -> list[np.ndarray]:
+    """The out-of-fold logit of every row for each C of ``c_grid``. The C x fold fits are
+    independent and scikit-learn's liblinear releases the GIL, so they run on threads; each
+    fit is the one a loop would make (same rows, same seed), so the result is the same."""
+    fold_ids = np.unique(folds).tolist()
+    tasks = [(c, fold) for c in c_grid for fold in fold_ids]
+
+    def fit(task: tuple[float, Any]) -> np.ndarray:
+        c, fold = task
         test = folds == fold
         w, b, mean, std = standardised_l1_fit(x[~test], y[~test], c)
-        logit[test] = b + ((x[test] - mean) / std) @ w
-    return logit
+        return b + ((x[test] - mean) / std) @ w
+
+    with ThreadPoolExecutor(_fit_threads(len(tasks)), thread_name_prefix="guardrail-fit") as pool:
+        parts = iter(pool.map(fit, tasks))
+    logits = []
+    for _ in c_grid:
+        logit = np.empty(len(y))
+        for fold in fold_ids:
+            logit[folds == fold] = next(parts)
+        logits.append(logit)
+    return logits
 
 
 def focus_from_logit(logit: np.ndarray) -> np.ndarray:
@@ -137,8 +167,7 @@ def _best_c(
     """(out-of-fold AUROC, C, out-of-fold logit) of the C in ``c_grid`` with the best AUROC;
     a later C must beat an earlier one by more than 1e-4."""
     best: tuple[float, float, np.ndarray] | None = None
-    for c in c_grid:
-        logit = _oof_logit(x, y, fold_of, c)
+    for c, logit in zip(c_grid, _oof_logits(x, y, fold_of, c_grid), strict=True):
         score = auroc(y, logit)
         if best is None or score > best[0] + 1e-4:
             best = (score, c, logit)

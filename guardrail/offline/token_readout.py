@@ -119,20 +119,20 @@ def fit_tokens(
 
     ``device``: None fits with scikit-learn on the host (what the shipped configs were made
     with; 3-4 s a model at SmolLM2's 576-wide stream on 2 cores); a torch device (``"cuda"``)
-    minimises the same objective with torch's L-BFGS there, for wide streams on a GPU machine
-    (about 1 s a model at 12,288 coordinates on an H100 with a planted direction, 22 s on a
-    dummy-weight model's streams: calibration fits its models together there,
-    :func:`fit_tokens_jointly`). Should the
+    minimises the same objective with torch's L-BFGS there, for wide streams on a GPU machine:
+    :func:`fit_tokens_jointly` with this one problem (one model at a time took about 1 s at
+    12,288 coordinates on an H100 with a planted direction, 22 s on a dummy-weight model's
+    streams; calibration fits its 84 models together: 234 s there). Should the
     device run out of memory (the samples as float64 take ``8 x tokens x hidden`` bytes there:
     4.5 GB at 138k x 4,096, next to the engine's share), the model is fitted on the host
     instead, with a warning: slower, never a failed calibration.
     """
-    fitted = None
     if device is not None:
         import torch
 
-        try:
-            fitted = _fit_torch(x, y, c, device)
+        try:  # the one-problem case of the joint fit
+            everything = np.ones(len(y), dtype=bool)
+            return fit_tokens_jointly(x, y, [(everything, c)], layers, device)[0]
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             warnings.warn(
@@ -141,49 +141,13 @@ def fit_tokens(
                 RuntimeWarning,
                 stacklevel=2,
             )
-    if fitted is None:
-        from sklearn.linear_model import LogisticRegression
+    from sklearn.linear_model import LogisticRegression
 
-        x = np.asarray(x, dtype=np.float64)
-        mean, std = x.mean(0), x.std(0) + 1e-6
-        fit = LogisticRegression(C=c, max_iter=3000).fit((x - mean) / std, y)
-        fitted = fit.coef_[0], float(fit.intercept_[0]), mean, std
-    weights, bias, mean, std = fitted
-    coef = weights / std
-    return TokenModel(token_layers(layers), coef, float(bias - mean @ coef), c)
-
-
-def _fit_torch(
-    x: np.ndarray, y: np.ndarray, c: float, device: str
-) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
-    """scikit-learn's L2 logistic objective, ``mean(log(1 + exp(-s z))) + |w|^2 / (2 C n)`` on
-    the standardised streams, by L-BFGS on ``device`` in float64 (to a gradient of 1e-6, where
-    scikit-learn stops at 1e-4): weights, bias, and the streams' mean and std."""
-    import torch
-
-    # moved in the stored dtype, widened there; a copy, never the caller's array
-    z = torch.from_numpy(np.ascontiguousarray(x)).to(device).to(torch.float64, copy=True)
-    var, mean = torch.var_mean(z, dim=0, correction=0)  # a reduction: no temporary of z's size
-    std = var.sqrt_().add_(1e-6)
-    z.sub_(mean).div_(std)
-    sign = torch.as_tensor(np.asarray(y), device=device).double().mul_(2).sub_(1)
-    n, width = z.shape
-    params = torch.zeros(width + 1, dtype=torch.float64, device=device, requires_grad=True)
-    solver = torch.optim.LBFGS(
-        [params], max_iter=3000, tolerance_grad=1e-6, line_search_fn="strong_wolfe"
-    )
-
-    def loss() -> torch.Tensor:
-        solver.zero_grad()
-        logits = z @ params[:-1] + params[-1]
-        value = torch.nn.functional.softplus(-sign * logits).mean()
-        value = value + params[:-1].square().sum() / (2 * c * n)
-        value.backward()
-        return value
-
-    solver.step(loss)
-    found = params.detach().cpu().numpy()
-    return found[:-1], float(found[-1]), mean.cpu().numpy(), std.cpu().numpy()
+    x = np.asarray(x, dtype=np.float64)
+    mean, std = x.mean(0), x.std(0) + 1e-6
+    fit = LogisticRegression(C=c, max_iter=3000).fit((x - mean) / std, y)
+    coef = fit.coef_[0] / std
+    return TokenModel(token_layers(layers), coef, float(fit.intercept_[0] - mean @ coef), c)
 
 
 def fit_tokens_jointly(

@@ -112,7 +112,7 @@ def test_the_torch_fit_leaves_the_callers_streams_alone() -> None:
 
 def test_a_device_out_of_memory_fits_on_the_host(monkeypatch) -> None:
     """A GPU that cannot hold the samples (CUDA's out-of-memory error; not reachable on a CPU
-    machine, so raised here in the torch fitter's place) gives the host's fit and a warning,
+    machine, so raised here in the joint fitter's place) gives the host's fit and a warning,
     never a failed calibration."""
     import torch
 
@@ -122,7 +122,7 @@ def test_a_device_out_of_memory_fits_on_the_host(monkeypatch) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.50 GiB")
 
     x, y = _data(600, 12)
-    monkeypatch.setattr(token_readout, "_fit_torch", out_of_memory)
+    monkeypatch.setattr(token_readout, "fit_tokens_jointly", out_of_memory)
     with pytest.warns(RuntimeWarning, match="ran out of memory for 600 x 12 samples"):
         fallen_back = fit_tokens(x, y, layers=(2,), c=0.2, device="cuda")
     host = fit_tokens(x, y, layers=(2,), c=0.2)

@@ -280,7 +280,9 @@ class AsyncHookedLLM(HookedBase):
         per_rank = await self.popper.pop(key)
         if key not in in_transit(per_rank):  # popped, or never made
             return per_rank
-        late = await asyncio.to_thread(inbox.take, [key], tag, IN_TRANSIT_WAIT_S)
+        engine = self._engine
+        stop = (lambda: engine.errored) if engine is not None else None
+        late = await asyncio.to_thread(inbox.take, [key], tag, IN_TRANSIT_WAIT_S, stop)
         return [pushed(inbox, late), *per_rank]
 
     async def _rpc(self, method: str, **kwargs: Any) -> Any:

@@ -199,7 +199,9 @@ class HookedLLM(HookedBase):
         missing = [k for k in keys if k not in found]
         per_rank = list(llm.collective_rpc(RPC_POP_RESULTS, args=(missing,)))
         on_the_way = in_transit(per_rank)
-        late = inbox.take(on_the_way, tag, IN_TRANSIT_WAIT_S) if on_the_way else {}
+        late = {}
+        if on_the_way:
+            late = inbox.take(on_the_way, tag, IN_TRANSIT_WAIT_S, lambda: self._handle.dead)
         return [pushed(inbox, {**found, **late}), *per_rank]
 
     def prepare(self, request: RequestLike) -> PreparedPrompt:

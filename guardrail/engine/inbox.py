@@ -34,9 +34,10 @@ import logging
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from guardrail.protocol import (
@@ -65,7 +66,8 @@ pops instead (the result normally arrives first; this bounds a lost one)."""
 IN_TRANSIT_WAIT_S = 60.0
 """How long a caller waits for results a pop says the worker's pusher took
 (``PoppedResults.pushed``): they are on their way over a local socket, and a large one (the
-streams calibration reads, hundreds of MB a step) takes seconds; past this they are missing."""
+streams calibration reads, hundreds of MB a step) takes seconds; past this, or once the engine
+is dead, they are missing."""
 _POLL_MS = 100  # the receiving thread checks for ``close`` this often
 
 Key = tuple[str, str]  # (probe key, tag)
@@ -120,12 +122,24 @@ class ResultInbox:
 
     # -- asking ----------------------------------------------------------------------------------
 
-    def take(self, keys: Sequence[str], tag: str, timeout: float) -> dict[str, ProbeResultData]:
+    def take(
+        self,
+        keys: Sequence[str],
+        tag: str,
+        timeout: float,
+        stop: Callable[[], bool] | None = None,
+    ) -> dict[str, ProbeResultData]:
         """The results of ``keys`` sent with ``tag``, waiting up to ``timeout`` seconds for all
-        of them; those that did not arrive are absent."""
+        of them, or until ``stop()`` is true (checked every ``_POLL_MS``: a dead engine sends
+        nothing more); those that did not arrive are absent."""
         wanted = [(k, tag) for k in keys]
+        deadline = time.monotonic() + timeout
         with self._changed:
-            self._changed.wait_for(lambda: all(w in self._arrived for w in wanted), timeout)
+            while not all(w in self._arrived for w in wanted):
+                left = deadline - time.monotonic()
+                if left <= 0 or (stop is not None and stop()):
+                    break
+                self._changed.wait(min(left, _POLL_MS / 1000) if stop is not None else left)
             return {k: self._arrived.pop((k, t)) for k, t in wanted if (k, t) in self._arrived}
 
     def future(self, key: str, tag: str) -> asyncio.Future[ProbeResultData]:

@@ -143,3 +143,16 @@ def test_the_pusher_names_the_keys_it_took_once_and_a_pop_says_which_are_on_thei
         assert "a" in inbox.take(["a"], "t", 5.0)
     finally:
         pusher.close()
+
+
+def test_a_wait_for_results_on_their_way_ends_when_the_engine_dies(inbox):
+    """A result a pop said was sent is waited for up to a minute, but not past the engine's
+    death (it sends nothing more): the wait ends within a poll of it."""
+    import threading
+    import time
+
+    dead = threading.Event()
+    threading.Timer(0.3, dead.set).start()
+    started = time.monotonic()
+    assert inbox.take(["on-its-way"], "t", 60.0, stop=dead.is_set) == {}
+    assert time.monotonic() - started < 2.0

@@ -4,7 +4,8 @@ The packaged pool's rows (:mod:`guardrail.offline.pool`) are scored once through
 probe (every head; the last-token and data-mean streams of the recipe's candidate layers) and
 :func:`guardrail.offline.pool_fit.calibrate_on_pool` fits the attention-only and the combined
 probe, the combined one with a token read-out whose models a second pass over the data tokens
-scores (``--token-samples``; cached beside the score cache as ``<cache>.token-logits.npz``);
+scores (``--token-samples``; its models and their second pass kept beside the score cache as
+``<cache>.token-models.npz`` and ``<cache>.token-logits.npz``);
 :func:`guardrail.offline.pool_report.write_pool_calibration` writes ``<name>.json``,
 ``<name>.combined.json`` and ``<name>.report.{json,md,png}``. For the embedded SmolLM2 this is
 the writer of the shipped configs: ``guardrail calibrate --out model_configs --report
@@ -157,6 +158,7 @@ def run_pool(args: argparse.Namespace, engine: Any) -> int:
         steps += sources + 2 + 3
     cache = args.scores_cache
     logits_cache = None if cache is None else cache.with_suffix(".token-logits.npz")
+    models_cache = None if cache is None else cache.with_suffix(".token-models.npz")
 
     def top_logits_of(models: list[TokenModel]) -> Any:
         return top_token_logits(pool.rows, models, model, settings, engine, logits_cache)
@@ -175,6 +177,7 @@ def run_pool(args: argparse.Namespace, engine: Any) -> int:
             progress,
             top_logits_of if settings.token_samples else None,
             _token_device(),
+            models_cache,
         )
     fit_seconds = time.perf_counter() - started
     report = args.report or args.out / f"{stem}.report.json"

@@ -81,7 +81,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, data_default: str | Non
         type=Path,
         default=None,
         help=".npz file of per-head scores to reuse and extend (default: none, every row is "
-        "scored by the model)",
+        "scored by the model); calibration on the pool also keeps its token models and their "
+        "second pass beside it (<cache>.token-models.npz, <cache>.token-logits.npz), so a run "
+        "cut short resumes where it stopped",
     )
     parser.add_argument("--batch-size", type=int, default=32, help="rows per engine call")
     parser.add_argument(

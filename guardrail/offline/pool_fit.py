@@ -182,6 +182,7 @@ def calibrate_on_pool(
     progress: Callable[[str], None] | None = None,
     top_logits_of: TopLogits | None = None,
     token_device: str | None = None,
+    token_models_cache: Path | None = None,
 ) -> PoolCalibration:
     """Both probes fitted on ``pool``'s calibration rows by ``recipe``, their configs, and the
     leave-one-source-out measurements. ``dataset`` describes the rows (the configs record it
@@ -189,7 +190,8 @@ def calibrate_on_pool(
     ``top_logits_of`` (the token read-out's second pass) tries the token read-out when the
     scores hold sampled token streams of the data-mean layer; ``token_device``: where its token
     models are fitted (None: scikit-learn on the host;
-    :func:`guardrail.offline.token_readout.fit_tokens`)."""
+    :func:`guardrail.offline.token_readout.fit_tokens`); ``token_models_cache``: a file that
+    keeps them, so a run cut short after them resumes without fitting them again."""
     step = progress or (lambda _: None)
     index = pool.calibration
     if len(set(pool.labels[index].tolist())) < 2:
@@ -206,7 +208,17 @@ def calibrate_on_pool(
     if top_logits_of is not None and means and means[0] in pool.table.tokens:
         read = token_read_layers(means[0], layer_cv, set(pool.table.tokens), recipe.token_layers)
         token = fit_token_readout(
-            pool, index, recipe, attention, last, means, read, top_logits_of, step, token_device
+            pool,
+            index,
+            recipe,
+            attention,
+            last,
+            means,
+            read,
+            top_logits_of,
+            step,
+            token_device,
+            token_models_cache,
         )
     probes["combined"] = (
         fit_probe(pool, "combined", index, recipe, attention, last, means)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -28,7 +29,10 @@ from guardrail.offline.token_readout import (
     TokenColumn,
     TokenModel,
     fit_token_models,
+    load_token_models,
     pooled,
+    problems_sha256,
+    save_token_models,
     token_layers,
 )
 from guardrail.offline.transfer import (
@@ -76,25 +80,41 @@ def _fit_all(
     layers: tuple[int, ...],
     progress: Callable[[str], None],
     device: str | None,
+    cache: Path | None = None,
 ) -> _Plan:
     """Every token model of the plan. On the host, scope after scope; on a device, all of them
-    in one run (:func:`fit_token_models`), the scopes' progress steps after it."""
+    in one run (:func:`fit_token_models`), the scopes' progress steps after it. ``cache``: a
+    file that keeps them, read back instead of fitting when it holds the models of these very
+    problems and samples (:func:`problems_sha256`): a calibration cut short after its token
+    models resumes without fitting them again."""
     plan = _Plan([], {})
     problems: list[tuple[np.ndarray, float]] = []
+    parts: dict[str, slice] = {}
     for scope, rows in scopes.items():
+        start = len(problems)
         for c in TOKEN_C_GRID:
             for fold in [*np.unique(folds[scope]).tolist(), -1]:
                 train = rows if fold == -1 else rows[folds[scope] != fold]
                 plan.where[(scope, c, fold)] = len(problems)
                 problems.append((train, c))
-        if device is None:
-            fitted = fit_token_models(pool.table, problems[len(plan.models) :], pool.labels, layers)
-            plan.models.extend(fitted)
+        parts[scope] = slice(start, len(problems))
+    digest = "" if cache is None else problems_sha256(pool.table, problems, pool.labels, layers)
+    held = None if cache is None else load_token_models(cache, digest)
+    if held is not None and cache is not None:
+        plan.models = held
+        for scope in scopes:
+            progress(f"token models ({scope}, read from {cache.name})")
+        return plan
+    if device is None:
+        for scope, part in parts.items():
+            plan.models.extend(fit_token_models(pool.table, problems[part], pool.labels, layers))
             progress(f"token models ({scope})")
-    if device is not None:
+    else:
         plan.models = fit_token_models(pool.table, problems, pool.labels, layers, device)
         for scope in scopes:
             progress(f"token models ({scope}, fitted together on {device})")
+    if cache is not None:
+        save_token_models(cache, digest, plan.models)
     return plan
 
 
@@ -120,12 +140,14 @@ def fit_token_readout(
     top_logits_of: TopLogits,
     progress: Callable[[str], None] | None = None,
     device: str | None = None,
+    models_cache: Path | None = None,
 ) -> TokenReadoutFit:
     """The token read-out of ``layers`` (their streams at each data token side by side) for
     the combined probe on calibration rows ``index`` (module doc): ``attention``, ``last`` and
     ``means`` are the combined fit's other inputs; ``device``: where the token models are
-    fitted (:func:`fit_tokens`). The read-out's column is keyed by its last layer, where the
-    serving probe adds its term."""
+    fitted (:func:`fit_tokens`); ``models_cache``: a file keeping them between runs (their
+    samples' and problems' digest decides whether it holds them). The read-out's column is
+    keyed by its last layer, where the serving probe adds its term."""
     step = progress or (lambda _: None)
     chosen_layers = token_layers(layers)
     layer = chosen_layers[-1]
@@ -138,7 +160,7 @@ def fit_token_readout(
         scope: group_folds(pool.groups(rows), recipe.folds, recipe.seed)
         for scope, rows in scopes.items()
     }
-    plan = _fit_all(pool, scopes, folds, chosen_layers, step, device)
+    plan = _fit_all(pool, scopes, folds, chosen_layers, step, device, models_cache)
     tops = top_logits_of(plan.models)
     step("token read-out pass")
     plain = fit_probe(pool, "combined", index, recipe, attention, last, means)

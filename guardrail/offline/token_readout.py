@@ -36,6 +36,7 @@ import hashlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,9 +57,12 @@ __all__ = [
     "fit_token_models",
     "fit_tokens",
     "fit_tokens_jointly",
+    "load_token_models",
     "models_sha256",
     "pooled",
+    "problems_sha256",
     "sample_positions",
+    "save_token_models",
     "token_layers",
     "top_logits",
 ]
@@ -307,6 +311,60 @@ def models_sha256(models: Sequence[TokenModel]) -> str:
         digest.update(np.asarray([*m.layers, m.intercept, m.c], dtype=np.float64).tobytes())
         digest.update(np.ascontiguousarray(m.coef, dtype=np.float64).tobytes())
     return digest.hexdigest()
+
+
+def problems_sha256(
+    table: ScoreTable,
+    problems: Sequence[tuple[np.ndarray, float]],
+    labels: np.ndarray,
+    layers: Sequence[int],
+) -> str:
+    """A digest of what the token models of ``problems`` (``(rows, C)`` each) are fitted on:
+    the layers, each problem's rows and C, the rows' labels and every sampled stream of those
+    layers. The same digest means the same fits."""
+    digest = hashlib.sha256()
+    chosen = token_layers(layers)
+    digest.update(np.asarray(chosen, dtype=np.int64).tobytes())
+    for rows, c in problems:
+        picked = np.asarray(rows, dtype=np.int64)
+        digest.update(np.asarray([len(picked), c], dtype=np.float64).tobytes())
+        digest.update(picked.tobytes())
+        digest.update(np.asarray(labels, dtype=np.int64)[picked].tobytes())
+    if table.token_offsets is not None:
+        digest.update(np.ascontiguousarray(table.token_offsets, dtype=np.int64).tobytes())
+    for layer in chosen:
+        if layer in table.tokens:
+            digest.update(np.ascontiguousarray(table.tokens[layer]).tobytes())
+    return digest.hexdigest()
+
+
+def save_token_models(path: Path, digest: str, models: Sequence[TokenModel]) -> None:
+    """Keep ``models`` (fitted on what ``digest`` names, :func:`problems_sha256`) in ``path``,
+    for :func:`load_token_models`."""
+    np.savez(
+        path,
+        digest=np.array(digest),
+        layers=np.array([m.layers for m in models], dtype=np.int64).reshape(len(models), -1),
+        coef=np.stack([m.coef for m in models]) if models else np.zeros((0, 0)),
+        intercept=np.array([m.intercept for m in models], dtype=np.float64),
+        c=np.array([m.c for m in models], dtype=np.float64),
+    )
+
+
+def load_token_models(path: Path, digest: str) -> list[TokenModel] | None:
+    """The models :func:`save_token_models` kept in ``path``, if they were fitted on what
+    ``digest`` names; else (or without the file) None."""
+    if not path.exists():
+        return None
+    with np.load(path) as held:
+        if str(held["digest"]) != digest:
+            return None
+        return [
+            TokenModel(tuple(int(v) for v in layers), coef.copy(), float(b), float(c))
+            for layers, coef, b, c in zip(
+                held["layers"], held["coef"], held["intercept"], held["c"], strict=True
+            )
+        ]
 
 
 def attack_positions(prepared: Any, attack: str, tokenizer: Any) -> list[int]:

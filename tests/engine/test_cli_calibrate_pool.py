@@ -1,7 +1,8 @@
 """``guardrail calibrate`` without ``--data``: the tiny model calibrated on the packaged pool,
 end to end through the serving probe, writes both configs (attention-only and combined) that
 load, and the report beside them (each source left out, clean rows flagged per layout, ROC);
-a second run from the score cache rewrites every file byte for byte.
+a second run from the score cache rewrites every file byte for byte, with the token models
+fitted again and with them read from their cache.
 
 Rows over 1,536 prompt tokens are left out with ``--max-prompt-tokens`` (28 of the 448 rows
 sampled, a fifth of the tokens to score: the test's time), and those over the engine's
@@ -121,10 +122,19 @@ def test_calibrate_on_the_packaged_pool(tiny_hidden_engine, tiny_llama_dir, tmp_
     if pytest.importorskip("matplotlib"):
         assert (out / "ny.report.png").stat().st_size > 5000
 
-    # rebuilt from the score cache (nothing scored again): the same files, byte for byte
-    again = tmp_path / "again"
-    assert main([*args, "--out", str(again)]) == 0
+    # rebuilt from the score cache (nothing scored again): the same files, byte for byte; first
+    # with the token models fitted again, then with them read from their cache
+    models = tmp_path / "scores.token-models.npz"
+    assert models.is_file()
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted(p.name for p in again.iterdir()) and len(names) == 5
-    for name in names:
-        assert (out / name).read_bytes() == (again / name).read_bytes(), name
+    assert len(names) == 5
+    for rebuilt, cached in (("again", False), ("resumed", True)):
+        if not cached:
+            models.unlink()
+        before = models.stat().st_mtime_ns if cached else None
+        assert main([*args, "--out", str(tmp_path / rebuilt)]) == 0
+        # fitted again: the cache written anew; read: the file left as it was
+        assert models.is_file() and (models.stat().st_mtime_ns == before) == cached
+        assert names == sorted(p.name for p in (tmp_path / rebuilt).iterdir())
+        for name in names:
+            assert (out / name).read_bytes() == (tmp_path / rebuilt / name).read_bytes(), name

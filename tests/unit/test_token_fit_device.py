@@ -228,3 +228,42 @@ def test_a_device_too_small_for_all_models_fits_them_one_at_a_time(monkeypatch) 
     for (rows, c), model in zip(problems, fitted, strict=True):
         alone = fit_token_model(table, rows, labels, (1,), c, device="cpu")
         np.testing.assert_array_equal(model.coef, alone.coef)
+
+
+def test_token_models_kept_in_a_file_come_back_only_for_the_same_problems_and_samples(
+    tmp_path,
+) -> None:
+    """The models cache beside a score cache: read back equal, bit for bit, for the digest of
+    the same problems and samples; a changed C, row set, label or sampled stream misses it."""
+    from guardrail.offline.token_readout import (
+        load_token_models,
+        problems_sha256,
+        save_token_models,
+    )
+
+    x, _ = _data(400, 6)
+    table = _token_table(3, x, np.random.default_rng(2).integers(0, 9, 60))
+    labels = (np.arange(60) % 5 < 2).astype(int)
+    problems = [(np.arange(0, 60, 2), 0.05), (np.arange(1, 60, 3), 0.2)]
+    models = fit_token_models(table, problems, labels, layers=(3,))
+    digest = problems_sha256(table, problems, labels, (3,))
+    path = tmp_path / "scores.token-models.npz"
+    assert load_token_models(path, digest) is None  # no file yet
+    save_token_models(path, digest, models)
+    back = load_token_models(path, digest)
+    assert back is not None and len(back) == len(models)
+    for got, want in zip(back, models, strict=True):
+        assert (got.layers, got.intercept, got.c) == (want.layers, want.intercept, want.c)
+        np.testing.assert_array_equal(got.coef, want.coef)
+    changed_x = x.copy()
+    changed_x[7, 2] += 1e-3
+    others = [
+        problems_sha256(table, [(problems[0][0], 0.01), problems[1]], labels, (3,)),
+        problems_sha256(table, [(problems[0][0][1:], 0.05), problems[1]], labels, (3,)),
+        problems_sha256(table, problems, np.where(np.arange(60) == 4, 1, labels), (3,)),
+        problems_sha256(
+            _token_table(3, changed_x, np.diff(table.token_offsets)), problems, labels, (3,)
+        ),
+    ]
+    assert len({digest, *others}) == 5
+    assert all(load_token_models(path, other) is None for other in others)

@@ -68,8 +68,9 @@ case $step in
     model=$(python3 -c "from pathlib import Path; from guardrail.testing.dummy_models import \
 build_dummy_model; print(build_dummy_model('$shape', Path('/tmp/guardrail-bench')))")
     start=$(date +%s.%N)
-    # the score cache on the machine's disk: a rerun of the step in the same lease resumes
-    # after scoring if the first ran out of time in the fits
+    # the score cache on the machine's disk (and the token models beside it): a rerun of the
+    # step in the same lease resumes after scoring, or after the token models, where the
+    # first ran out of time
     # written straight to $out (unbuffered): a call cut short still brings back what it printed;
     # 540 s, so that a call which staged first (about 30 s) ends inside its 600 s
     PYTHONUNBUFFERED=1 timeout "${CALIBRATE_LIMIT:-540}" python3 -m guardrail.cli calibrate \

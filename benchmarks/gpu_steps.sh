@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|
 #                                profile|ab|serve|
-#                                calibrate1b|calibrate8b|tokenfit
+#                                calibrate1b|calibrate8b|calibrate-start|calibrate-wait|tokenfit
 #
 # hidden1b / hidden8b: compiled, the combined probe (hidden state through the taps) and the
 # attention-only probe, 512 and 2,048 tokens x 1 and 64, prefill only and 64 tokens decoded.
@@ -18,11 +18,14 @@
 # dummy-weight model of that shape (its scores mean nothing: the time is what is measured). The
 # KV cache is capped (4,096 blocks): calibration's data-mean memos hold the whole stream per KV
 # slot, and with vLLM's default memory share they do not fit (refused at install).
+# calibrate-start / calibrate-wait: the same for both shapes (CALIBRATE_SHAPES, default "8b 1b")
+# end to end in a background process session that outlives each call; calibrate-wait follows it
+# (WAIT_S, default 560 s) and brings its logs, times and configs back.
 # tokenfit: the time of one token model of calibrate's token read-out on the GPU: one 1B layer
 # (2,048) and three layers of the 1B and 8B shapes (6,144, 12,288; benchmarks/token_fit_speed.py);
 # then the 84 models of a calibration fitted together on labels at random, 3 one at a time beside.
 set -uo pipefail
-step=${1:?usage: gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|profile|ab|serve|calibrate1b|calibrate8b|tokenfit}
+step=${1:?usage: gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|profile|ab|serve|calibrate1b|calibrate8b|calibrate-start|calibrate-wait|tokenfit}
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 . /tmp/gpu-env.sh
@@ -80,6 +83,25 @@ build_dummy_model; print(build_dummy_model('$shape', Path('/tmp/guardrail-bench'
     tr '\r' '\n' < "$out/calibrate_$shape.log" | quiet | grep -v "^$" | tail -40
     echo "calibrate $shape: $(python3 -c "import time; print(round(time.time() - $start, 1))") s \
 wall, engine start included" | tee "$out/calibrate_$shape.time" ;;
+  calibrate-start)  # both shapes end to end, one after the other, past the 10-minute calls: a
+    # new process session outlives the call (the device tool keeps it until the machine goes
+    # back); `calibrate-wait` calls, back to back, follow it and bring its files back
+    rm -rf /tmp/calibrate-bg && mkdir -p /tmp/calibrate-bg
+    setsid nohup env OUT=/tmp/calibrate-bg CALIBRATE_LIMIT=3000 bash -c \
+      'for shape in ${CALIBRATE_SHAPES:-8b 1b}; do bash benchmarks/gpu_steps.sh calibrate$shape; done;
+       touch /tmp/calibrate-bg/done' > /tmp/calibrate-bg/chain.log 2>&1 < /dev/null &
+    echo "calibrate started in the background (shapes ${CALIBRATE_SHAPES:-8b 1b})" ;;
+  calibrate-wait)  # until the background chain is done, or ${WAIT_S:-560} s; its files to $OUT
+    waited=0
+    while [ ! -e /tmp/calibrate-bg/done ] && [ "$waited" -lt "${WAIT_S:-560}" ]; do
+      sleep 10; waited=$((waited + 10))
+    done
+    [ -e /tmp/calibrate-bg/done ] && echo "done" || echo "still running after ${waited} s"
+    cp -r /tmp/calibrate-bg/. "$out/"
+    for f in /tmp/calibrate-bg/calibrate_*.log; do
+      [ -e "$f" ] && { echo "== $f"; tr '\r' '\n' < "$f" | quiet | grep -v "^$" | tail -6; }
+    done
+    cat /tmp/calibrate-bg/*.time 2>/dev/null ;;
   tokenfit) python3 benchmarks/token_fit_speed.py --widths 2048 6144 12288 \
     --out "$out/token_fit_speed.json" 2>&1 | grep "^{"
     # the 84 models of a calibration together, on labels at random (as dummy weights give)

@@ -213,6 +213,15 @@ def fit_tokens_jointly(
         return value
 
     solver.step(loss)
+    state = solver.state[params]
+    if state["n_iter"] >= JOINT_MAX_ITER or state["func_evals"] >= JOINT_MAX_ITER * 5 // 4:
+        warnings.warn(  # as scikit-learn's ConvergenceWarning: the models are used as they are
+            f"token models: the joint fit of {len(problems)} models stopped after "
+            f"{state['n_iter']} steps and {state['func_evals']} evaluations, before its "
+            "gradient reached 1e-6",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     found = params.detach()
     raw_mean = mean[:, None] + scale[:, None] * first  # each problem's mean of the raw streams
     coef = found[:-1] / std

@@ -216,18 +216,25 @@ def test_a_device_too_small_for_all_models_fits_them_one_at_a_time(monkeypatch) 
 
     from guardrail.offline import token_readout
 
-    def out_of_memory(*args: object) -> None:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 13.60 GiB")
+    joint = token_readout.fit_tokens_jointly
+
+    def only_one_fits(x: np.ndarray, y: np.ndarray, problems: list, *args: object) -> list:
+        if len(problems) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 13.60 GiB")
+        return joint(x, y, problems, *args)
 
     x, _ = _data(300, 4)
     table = _token_table(1, x, np.full(50, 6))
     labels = (np.arange(50) % 3 == 0).astype(int)
     problems = [(np.arange(0, 50), 0.05), (np.arange(0, 50, 2), 0.2)]
-    monkeypatch.setattr(token_readout, "fit_tokens_jointly", out_of_memory)
+    monkeypatch.setattr(token_readout, "fit_tokens_jointly", only_one_fits)
     fitted = fit_token_models(table, problems, labels, layers=(1,), device="cpu")
     for (rows, c), model in zip(problems, fitted, strict=True):
         alone = fit_token_model(table, rows, labels, (1,), c, device="cpu")
         np.testing.assert_array_equal(model.coef, alone.coef)
+        host = fit_token_model(table, rows, labels, (1,), c)  # on the device, not fallen back
+        assert not np.array_equal(model.coef, host.coef)
+        np.testing.assert_allclose(model.logits(x), host.logits(x), atol=2e-3)
 
 
 def test_token_models_kept_in_a_file_come_back_only_for_the_same_problems_and_samples(
@@ -267,3 +274,13 @@ def test_token_models_kept_in_a_file_come_back_only_for_the_same_problems_and_sa
     ]
     assert len({digest, *others}) == 5
     assert all(load_token_models(path, other) is None for other in others)
+
+
+def test_a_joint_fit_stopped_by_its_step_limit_says_so(monkeypatch) -> None:
+    """As scikit-learn warns when its solver stops before converging, the joint fit does."""
+    from guardrail.offline import token_readout
+
+    monkeypatch.setattr(token_readout, "JOINT_MAX_ITER", 3)
+    x, y = _data(500, 8)
+    with pytest.warns(RuntimeWarning, match="joint fit of 2 models stopped after [0-9]+ steps"):
+        fit_tokens_jointly(x, y, [(np.ones(len(y), bool), 0.1)] * 2, (1,), "cpu")

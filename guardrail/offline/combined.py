@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,39 +118,55 @@ def feature_matrix(
     return np.concatenate(parts, axis=1)
 
 
-MAX_FIT_THREADS = 16
-"""Threads at most for the cross-validation's fits (``_oof_logits``)."""
+MAX_FIT_PROCESSES = 16
+"""Processes at most for the cross-validation's fits (``_oof_logits``)."""
+PARALLEL_FIT_ELEMENTS = 2_000_000
+"""Fits whose matrix holds fewer elements run in this process: the pool's start and the
+matrix's hand-over would cost more than they save."""
 
 
-def _fit_threads(tasks: int) -> int:
-    """Threads for ``tasks`` independent fits: one per core this process may use, at most
-    ``MAX_FIT_THREADS``."""
+def _fit_processes(tasks: int) -> int:
+    """Processes for ``tasks`` independent fits: one per core this process may use, at most
+    ``MAX_FIT_PROCESSES``."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(tasks, cores or 1, MAX_FIT_THREADS))
+    return max(1, min(tasks, cores or 1, MAX_FIT_PROCESSES))
+
+
+def _fold_fit(
+    x: np.ndarray, y: np.ndarray, folds: np.ndarray, c: float, fold: Any
+) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+    """The fit on the rows of every fold but ``fold`` (``standardised_l1_fit``)."""
+    train = folds != fold
+    return standardised_l1_fit(x[train], y[train], c)
 
 
 def _oof_logits(
     x: np.ndarray, y: np.ndarray, folds: np.ndarray, c_grid: Sequence[float]
 ) -> list[np.ndarray]:
     """The out-of-fold logit of every row for each C of ``c_grid``. The C x fold fits are
-    independent and scikit-learn's liblinear releases the GIL, so they run on threads; each
-    fit is the one a loop would make (same rows, same seed), so the result is the same."""
+    independent; for a large ``x`` they run in a pool of processes (joblib's, which hands ``x``
+    over as a memory map), one fit at a time in each. Not threads: scikit-learn's liblinear
+    draws its coordinate order from one random generator per process, so fits on threads of
+    one process change each other's results. The held-out logits are computed here, from each
+    fit's weights, as a loop computes them (a worker's BLAS may sum in another order), so they
+    are a loop's, bit for bit."""
     fold_ids = np.unique(folds).tolist()
     tasks = [(c, fold) for c in c_grid for fold in fold_ids]
+    workers = _fit_processes(len(tasks)) if x.size >= PARALLEL_FIT_ELEMENTS else 1
+    if workers > 1:
+        from joblib import Parallel, delayed
 
-    def fit(task: tuple[float, Any]) -> np.ndarray:
-        c, fold = task
-        test = folds == fold
-        w, b, mean, std = standardised_l1_fit(x[~test], y[~test], c)
-        return b + ((x[test] - mean) / std) @ w
-
-    with ThreadPoolExecutor(_fit_threads(len(tasks)), thread_name_prefix="guardrail-fit") as pool:
-        parts = iter(pool.map(fit, tasks))
+        fits = Parallel(n_jobs=workers)(delayed(_fold_fit)(x, y, folds, *t) for t in tasks)
+    else:
+        fits = [_fold_fit(x, y, folds, *t) for t in tasks]
     logits = []
+    at = iter(fits)
     for _ in c_grid:
         logit = np.empty(len(y))
         for fold in fold_ids:
-            logit[folds == fold] = next(parts)
+            w, b, mean, std = next(at)
+            test = folds == fold
+            logit[test] = b + ((x[test] - mean) / std) @ w
         logits.append(logit)
     return logits
 

@@ -99,24 +99,26 @@ def test_a_token_readout_column_becomes_the_data_top_part_a_config_serves(layers
     np.testing.assert_allclose(actual, expected, atol=1e-9)
 
 
-def test_cross_validation_fits_on_threads_equal_one_at_a_time():
-    """The C x fold fits run on threads: every out-of-fold logit is the one a plain loop over
-    the same fits gives, bit for bit (so a config rebuilds byte for byte on any core count)."""
+def test_cross_validation_fits_in_processes_equal_one_at_a_time(monkeypatch):
+    """The C x fold fits of a large matrix run in processes: every out-of-fold logit is the one
+    a plain loop over the same fits gives, bit for bit (so a config rebuilds byte for byte on
+    any core count). On threads they were not: liblinear's random generator is per process."""
+    from guardrail.offline import combined
     from guardrail.offline.calibration import group_folds
-    from guardrail.offline.combined import _oof_logits
 
+    monkeypatch.setattr(combined, "PARALLEL_FIT_ELEMENTS", 0)  # this small matrix too
     rng = np.random.default_rng(3)
-    y = (rng.random(300) < 0.4).astype(int)
-    x = rng.normal(0, 1, (300, 40))
-    x[y == 1, :3] += 0.8
-    folds = group_folds([str(i // 2) for i in range(300)], 5, 0)
-    grid = (0.01, 0.1, 1.0)
-    threaded = _oof_logits(x, y, folds, grid)
-    for c, got in zip(grid, threaded, strict=True):
+    y = (rng.random(1500) < 0.4).astype(int)
+    x = rng.normal(0, 1, (1500, 300))
+    x[y == 1, :20] += 0.3
+    folds = group_folds([str(i // 2) for i in range(1500)], 5, 0)
+    grid = (0.01, 0.03, 0.3)
+    parallel = combined._oof_logits(x, y, folds, grid)
+    for c, got in zip(grid, parallel, strict=True):
         want = np.empty(len(y))
         for fold in np.unique(folds):
             test = folds == fold
             w, b, mean, std = standardised_l1_fit(x[~test], y[~test], c)
             want[test] = b + ((x[test] - mean) / std) @ w
         assert np.array_equal(got, want)
-    assert not np.array_equal(threaded[0], threaded[2])  # the C mattered
+    assert not np.array_equal(parallel[0], parallel[2])  # the C mattered

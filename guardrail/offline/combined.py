@@ -30,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,13 +124,6 @@ PARALLEL_FIT_ELEMENTS = 2_000_000
 matrix's hand-over would cost more than they save."""
 
 
-def _fit_processes(tasks: int) -> int:
-    """Processes for ``tasks`` independent fits: one per core this process may use, at most
-    ``MAX_FIT_PROCESSES``."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(tasks, cores or 1, MAX_FIT_PROCESSES))
-
-
 def _fold_fit(
     x: np.ndarray, y: np.ndarray, folds: np.ndarray, c: float, fold: Any
 ) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
@@ -152,7 +144,11 @@ def _oof_logits(
     are a loop's, bit for bit."""
     fold_ids = np.unique(folds).tolist()
     tasks = [(c, fold) for c in c_grid for fold in fold_ids]
-    workers = _fit_processes(len(tasks)) if x.size >= PARALLEL_FIT_ELEMENTS else 1
+    workers = 1
+    if x.size >= PARALLEL_FIT_ELEMENTS:
+        from joblib import cpu_count  # the cores this process may use (affinity, cgroup quota)
+
+        workers = min(len(tasks), cpu_count(), MAX_FIT_PROCESSES)
     if workers > 1:
         from joblib import Parallel, delayed
 

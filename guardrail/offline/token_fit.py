@@ -98,13 +98,14 @@ def _fit_all(
                 plan.where[(scope, c, fold)] = len(problems)
                 problems.append((train, c))
         parts[scope] = slice(start, len(problems))
-    digest = "" if cache is None else problems_sha256(pool.table, problems, pool.labels, layers)
-    held = None if cache is None else load_token_models(cache, digest)
-    if held is not None and cache is not None:
-        plan.models = held
-        for scope in scopes:
-            progress(f"token models ({scope}, read from {cache.name})")
-        return plan
+    if cache is not None:
+        digest = problems_sha256(pool.table, problems, pool.labels, layers)
+        held = load_token_models(cache, digest)
+        if held is not None:
+            plan.models = held
+            for scope in scopes:
+                progress(f"token models ({scope}, read from {cache.name})")
+            return plan
     if device is None:
         for scope, part in parts.items():
             plan.models.extend(fit_token_models(pool.table, problems[part], pool.labels, layers))

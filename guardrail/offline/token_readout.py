@@ -334,11 +334,12 @@ def problems_sha256(
     digest = hashlib.sha256()
     chosen = token_layers(layers)
     digest.update(np.asarray(chosen, dtype=np.int64).tobytes())
+    as_ints = np.asarray(labels, dtype=np.int64)
     for rows, c in problems:
         picked = np.asarray(rows, dtype=np.int64)
         digest.update(np.asarray([len(picked), c], dtype=np.float64).tobytes())
         digest.update(picked.tobytes())
-        digest.update(np.asarray(labels, dtype=np.int64)[picked].tobytes())
+        digest.update(as_ints[picked].tobytes())
     if table.token_offsets is not None:
         digest.update(np.ascontiguousarray(table.token_offsets, dtype=np.int64).tobytes())
     for layer in chosen:

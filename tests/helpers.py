@@ -523,3 +523,17 @@ SERVED_CHATS: list[list[dict[str, Any]]] = [
     ],
 ]
 """The requests whose offline scores place the shared server's threshold."""
+
+
+def delay_pushed_results(inbox: Any, monkeypatch: Any, seconds: float) -> None:
+    """Make the caller's ``inbox`` take ``seconds`` over each message of pushed results, as a
+    large step's (hundreds of MB) takes on its way: results arrive after the caller popped."""
+    decode = inbox._decode
+
+    def slow_decode(message: bytes) -> Any:
+        decoded = decode(message)
+        if "results" in decoded:
+            time.sleep(seconds)
+        return decoded
+
+    monkeypatch.setattr(inbox, "_decode", slow_decode)

@@ -37,6 +37,7 @@ from tests.helpers import (
     SYSTEM,
     assert_heads_match_hf,
     assert_same_logprobs,
+    delay_pushed_results,
     engine_processes,
     live,
     run_close_script,
@@ -158,15 +159,7 @@ def test_a_pushed_result_slower_than_the_wait_is_waited_for_not_missing(
 
     inbox = async_engine._inbox
     assert inbox is not None
-    decode = inbox._decode
-
-    def slow_decode(message: bytes) -> Any:
-        decoded = decode(message)
-        if "results" in decoded:
-            time.sleep(4 * PUSH_WAIT_S)
-        return decoded
-
-    monkeypatch.setattr(inbox, "_decode", slow_decode)
+    delay_pushed_results(inbox, monkeypatch, 4 * PUSH_WAIT_S)
 
     async def both() -> list[list[Any]]:
         return await asyncio.gather(

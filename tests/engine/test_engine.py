@@ -7,7 +7,6 @@ second pass reads the shared system prompt from vLLM's prefix cache.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from guardrail.errors import HeadsDoNotFitModelError, RequestError
 from guardrail.probe.config import ModelProbeConfig
 from tests.helpers import (
     SYSTEM,
+    delay_pushed_results,
     hf_head_scores,
     hf_head_stats,
     mixed_batch,
@@ -130,16 +130,8 @@ def test_a_pushed_result_slower_than_the_wait_is_waited_for_not_missing(tiny_eng
     assert inbox is not None
     batch = mixed_batch()[:3]
     fast = tiny_engine.generate(batch, tiny_engine.sampling(max_tokens=1))
-    decode = inbox._decode
-    slow_for = 4 * PUSH_WAIT_S  # longer than the wait before the pop and the old wait after
-
-    def slow_decode(message: bytes):
-        decoded = decode(message)
-        if "results" in decoded:
-            time.sleep(slow_for)
-        return decoded
-
-    monkeypatch.setattr(inbox, "_decode", slow_decode)
+    # longer than the wait before the pop and the old wait after it
+    delay_pushed_results(inbox, monkeypatch, 4 * PUSH_WAIT_S)
     received = inbox.received
     slow = tiny_engine.generate(batch, tiny_engine.sampling(max_tokens=1))
     assert inbox.received - received == len(batch)  # they came pushed, late

@@ -28,7 +28,11 @@ from guardrail.cli.options import (
 )
 from guardrail.cli.output import count, write_json
 from guardrail.errors import ConfigError
-from guardrail.offline.calibration import CalibrationSettings, calibrate_probes
+from guardrail.offline.calibration import (
+    CalibrationSettings,
+    calibrate_probes,
+    recorded_threshold,
+)
 from guardrail.offline.combined import fit_combined, worst_source_threshold
 from guardrail.offline.datasets import LabelledPair, ScoreTable, pairs_sha256
 from guardrail.offline.row_scores import scores_for
@@ -283,11 +287,11 @@ def combined_probe(
     sources = [str(p.extra.get("corpus") or p.task) for p in pairs]
     fpr = settings.target_fpr
     threshold, per_source = worst_source_threshold(fit.oof_focus, labels, sources, fpr)
-    values = {f"worst-source fpr@{fpr:g}": round(threshold, 6)}
-    values.update({f"{name} fpr@{fpr:g}": round(v, 6) for name, v in per_source.items()})
+    values = {f"worst-source fpr@{fpr:g}": recorded_threshold(threshold)}
+    values.update({f"{name} fpr@{fpr:g}": recorded_threshold(v) for name, v in per_source.items()})
     return {
         **fit.probe_fields(),
-        "threshold": float(np.clip(threshold, 0.0, 1.0)),
+        "threshold": recorded_threshold(threshold),
         "thresholds": values,
         "cv_auroc": fit.cv_auroc,
         "oof_focus": fit.oof_focus,

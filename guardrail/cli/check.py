@@ -66,6 +66,7 @@ def describe(engine: Any) -> dict[str, Any]:
             "threshold": config.threshold,
             "calibrated": calibration is not None,
             "calibration": None if calibration is None else calibration.model_dump(mode="json"),
+            "operating_points": {f"{r:g}": t for r, t in config.operating_points.items()},
         },
         "early_stop": info["pp_size"] == 1,
         "steering": bool(info["enforce_eager"]),
@@ -82,6 +83,17 @@ def _lines(facts: dict[str, Any]) -> list[str]:
         "--model MODEL --out DIR`"
     )
     hidden = f", hidden-state layers {probe['hidden_layers']}" if probe["hidden_layers"] else ""
+    points = probe["operating_points"]
+    operating = (
+        [
+            "operating points "
+            + ", ".join(f"{float(rate):.0%}: {t}" for rate, t in points.items())
+            + " (the threshold flagging at most that share of every calibration source's clean "
+            "rows; a policy applies one with target_fpr=RATE)"
+        ]
+        if points
+        else []
+    )
     return [
         f"model            {facts['model']}",
         f"vLLM             {facts['vllm']} on {facts['device']}",
@@ -94,6 +106,7 @@ def _lines(facts: dict[str, Any]) -> list[str]:
         f"probe config     {probe['model_id']}: {probe['kind']} over {probe['heads']} heads"
         f"{hidden}, threshold {probe['threshold']}",
         f"calibration      {calibrated}",
+        *operating,
         f"early stop       {'available' if facts['early_stop'] else 'no (pipeline parallel)'}",
         f"steering         {'available' if facts['steering'] else 'no (needs enforce_eager)'}",
         "self-test        one request scored at start-up",

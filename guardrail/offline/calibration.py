@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from decimal import ROUND_FLOOR, Decimal
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,7 @@ __all__ = [
     "head_margins",
     "logistic_focus_array",
     "midpoint_threshold",
+    "recorded_threshold",
     "select_heads",
     "standardised_l1_fit",
     "threshold_at_fpr",
@@ -166,6 +168,20 @@ def threshold_at_fpr(focus: np.ndarray, labels: np.ndarray, fpr: float) -> float
     upper = benign[k]
     threshold = (benign[k - 1] + upper) / 2 if k >= 1 else np.nextafter(upper, -np.inf)
     return float(np.clip(threshold, 0.0, 1.0))
+
+
+def recorded_threshold(threshold: float) -> float:
+    """``threshold`` as a config records it: in [0, 1], to 6 decimals, rounded *down*, so a
+    threshold set to flag at most a share of some rows flags no more once written (rounded to
+    nearest, one sitting just under the lowest clean focus could be lifted past it). Exact on a
+    value that already has 6 decimals.
+
+    Example:
+        >>> recorded_threshold(0.0480647), recorded_threshold(0.048065), recorded_threshold(1.2)
+        (0.048064, 0.048065, 1.0)
+    """
+    clipped = float(np.clip(threshold, 0.0, 1.0))
+    return float(Decimal(repr(clipped)).quantize(Decimal("1e-6"), rounding=ROUND_FLOOR))
 
 
 def group_folds(groups: Sequence[str], k: int, seed: int = 0) -> np.ndarray:
@@ -419,7 +435,7 @@ def _thresholds(
     values = {"midpoint": midpoint_threshold(focus, labels)}
     for fpr in sorted({settings.target_fpr, 0.01, 0.05}):
         values[f"fpr@{fpr:g}"] = threshold_at_fpr(focus, labels, fpr)
-    values = {k: round(float(np.clip(v, 0.0, 1.0)), 6) for k, v in values.items()}
+    values = {k: recorded_threshold(v) for k, v in values.items()}
     key = "midpoint" if settings.threshold_rule == "midpoint" else f"fpr@{settings.target_fpr:g}"
     return values[key], values
 
@@ -597,7 +613,7 @@ def retarget_threshold(
         raise ConfigError("re-setting a threshold needs clean rows (label 0, or unlabelled rows)")
     labels = np.zeros(len(clean_focus), dtype=int)
     values = {
-        f"traffic fpr@{fpr:g}": round(threshold_at_fpr(clean_focus, labels, fpr), 6)
+        f"traffic fpr@{fpr:g}": recorded_threshold(threshold_at_fpr(clean_focus, labels, fpr))
         for fpr in sorted({target_fpr, 0.01, 0.05})
     }
     threshold = values[f"traffic fpr@{target_fpr:g}"]

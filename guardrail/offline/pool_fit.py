@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
+
+import numpy as np
 
 from guardrail.errors import ConfigError
+from guardrail.offline.calibration import recorded_threshold
 from guardrail.offline.datasets import pairs_sha256
 from guardrail.offline.token_fit import TokenReadoutFit, TopLogits, fit_token_readout
 from guardrail.offline.transfer import (
@@ -49,8 +52,12 @@ from guardrail.probe.config import Calibration, ModelProbeConfig
 
 __all__ = [
     "ModelShape",
+    "OperatingPoint",
     "PoolCalibration",
+    "Spread",
     "calibrate_on_pool",
+    "operating_points",
+    "spread",
     "token_read_layers",
 ]
 
@@ -88,6 +95,76 @@ class ModelShape:
         )
 
 
+class Spread(TypedDict):
+    """A threshold's effect on several sources' rows: the largest share of clean rows flagged
+    in any source, the share of all injections caught, and the smallest share caught in any
+    source (None: no such rows)."""
+
+    flagged_clean_worst: float | None
+    caught: float | None
+    caught_worst: float | None
+
+
+class OperatingPoint(TypedDict):
+    """One operating point of a calibrated probe: the threshold that flags at most ``rate`` of
+    the clean rows of every calibration source (out-of-fold focus; ``ModelProbeConfig
+    .threshold_at(rate)``), measured on the pool out of fold (``pool``: in sample for the
+    threshold, which was set on those rows) and on each source left out of the fit, at the
+    threshold that fit set by the same rule without it (``left_out``: what a kind of traffic
+    the calibration never saw gets)."""
+
+    rate: float
+    threshold: float
+    pool: Spread
+    left_out: Spread | None
+
+
+def spread(parts: list[tuple[np.ndarray, np.ndarray, float]]) -> Spread:
+    """:class:`Spread` of ``parts`` = one ``(labels, focus, threshold)`` per source.
+
+    Example:
+        >>> a = (np.array([0, 0, 1]), np.array([0.9, 0.1, 0.2]), 0.5)
+        >>> b = (np.array([0, 1, 1]), np.array([0.8, 0.1, 0.9]), 0.5)
+        >>> spread([a, b])
+        {'flagged_clean_worst': 0.5, 'caught': 0.6667, 'caught_worst': 0.5}
+    """
+    flagged = [float((f[y == 0] <= t).mean()) for y, f, t in parts if (y == 0).any()]
+    caught = [int((f[y == 1] <= t).sum()) for y, f, t in parts]
+    injected = [int((y == 1).sum()) for y, _, _ in parts]
+    each = [c / n for c, n in zip(caught, injected, strict=True) if n]
+    return {
+        "flagged_clean_worst": round(max(flagged), 4) if flagged else None,
+        "caught": round(sum(caught) / sum(injected), 4) if sum(injected) else None,
+        "caught_worst": round(min(each), 4) if each else None,
+    }
+
+
+def operating_points(
+    pool: ScoredPool, probe: ProbeFit, left_out: dict[str, LeftOut]
+) -> list[OperatingPoint]:
+    """``probe``'s operating points (``OPERATING_RATES``; the probe fitted on the pool's
+    calibration rows), with ``left_out``: the same kind fitted without each source."""
+    index = pool.calibration
+    sources = pool.corpus[index]
+    points: list[OperatingPoint] = []
+    for rate, threshold in sorted(probe.operating.items()):
+        in_pool = [
+            (pool.labels[index][mask], probe.fit.oof_focus[mask], threshold)
+            for source in sorted(set(sources.tolist()))
+            for mask in [sources == source]
+        ]
+        unseen = [(left.labels, left.focus, left.operating[rate]) for left in left_out.values()]
+        points.append(
+            {
+                "rate": rate,
+                "threshold": recorded_threshold(threshold),
+                "pool": spread(in_pool),
+                "left_out": spread(unseen) if unseen else None,
+            }
+        )
+    return points
+
+
 @dataclass(frozen=True)
 class PoolCalibration:
     """What :func:`calibrate_on_pool` found: the layers, both probes and their configs, the
@@ -102,6 +179,7 @@ class PoolCalibration:
     sources: list[str]
     layouts: list[str]
     token: TokenReadoutFit | None = None  # the token read-out's fits (None: not tried)
+    operating_points: dict[str, list[OperatingPoint]] = field(default_factory=dict)  # by kind
 
 
 def _source_text(probe: ProbeFit) -> str:
@@ -132,12 +210,15 @@ def _config(
     rows = [pool.rows[i] for i in index]
     fpr = recipe.target_fpr
     at = f"fpr@{fpr:g}"
-    thresholds = {f"worst-source {at}": round(probe.threshold, 6)}
-    thresholds.update({f"{k} {at}": round(v, 6) for k, v in probe.per_source.items()})
+    thresholds = {f"worst-source {at}": recorded_threshold(probe.threshold)}
+    thresholds.update({f"{k} {at}": recorded_threshold(v) for k, v in probe.per_source.items()})
+    thresholds.update(  # the other operating points (``ModelProbeConfig.threshold_at``)
+        {f"worst-source fpr@{rate:g}": recorded_threshold(t) for rate, t in probe.operating.items()}
+    )
     return ModelProbeConfig(
         model_id=shape.model_id,
         **probe.fit.probe_fields(),
-        threshold=round(float(probe.threshold), 6),
+        threshold=recorded_threshold(probe.threshold),
         num_layers=shape.num_layers,
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads,
@@ -235,20 +316,27 @@ def calibrate_on_pool(
         }
         for kind, probe in probes.items()
     }
+    left_out = leave_one_source_out(
+        pool,
+        probes,
+        recipe,
+        lambda s: step(f"{s} left out"),
+        None if token is None else token.left_out,
+    )
     return PoolCalibration(
         recipe=recipe,
         layer_cv_auroc=layer_cv,
         probes=probes,
         configs=configs,
         out_of_fold=out_of_fold,
-        left_out=leave_one_source_out(
-            pool,
-            probes,
-            recipe,
-            lambda s: step(f"{s} left out"),
-            None if token is None else token.left_out,
-        ),
+        left_out=left_out,
         sources=sorted(set(pool.corpus[index].tolist())),
         layouts=sorted(set(pool.layout[index].tolist())),
         token=token,
+        operating_points={
+            kind: operating_points(
+                pool, probe, {s: by_kind[kind] for s, by_kind in left_out.items()}
+            )
+            for kind, probe in probes.items()
+        },
     )

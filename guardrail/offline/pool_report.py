@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from guardrail.offline.calibration import recorded_threshold
 from guardrail.offline.evaluation import markdown_table, plot_roc
 from guardrail.offline.pool_fit import PoolCalibration
 from guardrail.offline.transfer import Measured
@@ -46,7 +47,7 @@ def _fit_summary(result: PoolCalibration, kind: str) -> dict[str, Any]:
         "last_layers": list(probe.last_layers),
         "data_mean_layers": list(probe.data_mean_layers),
         "hidden_dims_kept": {f"{p.layer} {p.position}": len(p.dims) for p in config.hidden or []},
-        "per_source_threshold": {k: round(v, 6) for k, v in probe.per_source.items()},
+        "per_source_threshold": {k: recorded_threshold(v) for k, v in probe.per_source.items()},
         "data_top": {
             str(layer): {
                 "top_k": column.top_k,
@@ -91,6 +92,7 @@ def report_doc(
             for source, per_kind in result.left_out.items()
         },
         "out_of_fold": result.out_of_fold,
+        "operating_points": result.operating_points,
     }
 
 
@@ -130,9 +132,43 @@ def _token_markdown(result: PoolCalibration) -> list[str]:
     ]
 
 
+def _share_text(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}%}"
+
+
+def _operating_markdown(result: PoolCalibration) -> list[str]:
+    """The operating points of both kinds: pool out of fold, and each source left out."""
+    cells: dict[str, dict[str, str]] = {}
+    for kind in KINDS:
+        for point in result.operating_points.get(kind, []):
+            row: dict[str, str] = {"threshold": f"{point['threshold']:.4f}"}
+            for where, spread in (("pool", point["pool"]), ("left_out", point["left_out"])):
+                row[where] = (
+                    "-"
+                    if spread is None
+                    else f"{_share_text(spread['flagged_clean_worst'], 1)} / "
+                    f"{_share_text(spread['caught'], 0)} / {_share_text(spread['caught_worst'], 0)}"
+                )
+            cells[f"{kind}, at most {point['rate']:.0%} per source"] = row
+    if not cells:
+        return []
+    return [
+        "## Operating points\n",
+        "The threshold that flags at most a share of the clean rows of every calibration "
+        "source (out-of-fold focus); the config records each "
+        '(`calibration.thresholds["worst-source fpr@<rate>"]`, '
+        "`ModelProbeConfig.threshold_at(rate)`). `pool`: the pool fit out of fold (the "
+        "threshold was set on these rows); `left_out`: each source measured at the threshold "
+        "its fit without it set by the same rule. Cells: the most clean rows flagged in any "
+        "source / injections caught, all / in the source where fewest are caught.\n",
+        markdown_table(cells, ["threshold", "pool", "left_out"]) + "\n",
+    ]
+
+
 def report_markdown(result: PoolCalibration) -> str:
-    """The report's tables: the fits, each source left out (both kinds), and the clean rows
-    flagged per prompt layout (each source left out, then the pool fit out of fold)."""
+    """The report's tables: the fits, the operating points, each source left out (both
+    kinds), and the clean rows flagged per prompt layout (each source left out, then the pool
+    fit out of fold)."""
     fits = {kind: _fit_summary(result, kind) for kind in KINDS}
     columns = ["threshold", "cv_auroc", "c", "heads_kept", "last_layers", "data_mean_layers"]
     out = [
@@ -143,6 +179,7 @@ def report_markdown(result: PoolCalibration) -> str:
         "calibration source (out-of-fold focus).\n",
         markdown_table(fits, columns) + "\n",
         *_token_markdown(result),
+        *_operating_markdown(result),
         "## Leave one source out\n",
         "Each kind fitted (penalty and threshold too) without the source (BIPIA and its "
         "everyday rows leave together), measured on it. Cells: AUROC / clean rows flagged / "

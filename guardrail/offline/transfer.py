@@ -42,6 +42,7 @@ from guardrail.probe.scoring import FeatureKind, HeadKey, head_features
 
 __all__ = [
     "LINKED_SOURCES",
+    "OPERATING_RATES",
     "FitKind",
     "LeftOut",
     "Measured",
@@ -63,6 +64,12 @@ FitKind = Literal["attention", "hidden", "combined"]
 
 LINKED_SOURCES: Mapping[str, str] = {"bipia": "bipia_everyday", "bipia_everyday": "bipia"}
 """Sources made from the same contexts: leaving one out leaves the other out too."""
+
+OPERATING_RATES: tuple[float, ...] = (0.01, 0.02, 0.05)
+"""The operating points a calibration records besides its own: the threshold that flags at
+most this share of the clean rows of every calibration source (out-of-fold focus), written
+into the config (``calibration.thresholds["worst-source fpr@<rate>"]``,
+:meth:`~guardrail.probe.config.ModelProbeConfig.threshold_at`) and measured in the report."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,8 @@ class ProbeFit:
     data_mean_layers: tuple[int, ...]
     rows: int
     data_top: dict[int, TokenColumn] = field(default_factory=dict)  # its rows' pooled logits
+    # the worst-source threshold at each rate of ``OPERATING_RATES`` (out-of-fold focus)
+    operating: dict[float, float] = field(default_factory=dict)
 
 
 def _inputs(
@@ -209,11 +218,18 @@ def fit_probe(
         data_mean=data_mean,
         data_top=data_top if kind == "combined" else None,
     )
+    labels, sources = pool.labels[index], pool.corpus[index].tolist()
     threshold, per_source = worst_source_threshold(
-        fit.oof_focus, pool.labels[index], pool.corpus[index].tolist(), recipe.target_fpr
+        fit.oof_focus, labels, sources, recipe.target_fpr
     )
+    operating = {
+        rate: worst_source_threshold(fit.oof_focus, labels, sources, rate)[0]
+        for rate in OPERATING_RATES
+    }
     tops = {layer: c for layer, c in (data_top or {}).items() if layer in fit.top_columns}
-    return ProbeFit(kind, fit, threshold, per_source, attention, last, means, len(index), tops)
+    return ProbeFit(
+        kind, fit, threshold, per_source, attention, last, means, len(index), tops, operating
+    )
 
 
 def probe_focus(
@@ -300,12 +316,14 @@ def choose_attention_layers(
 
 @dataclass(frozen=True)
 class LeftOut:
-    """One kind measured on a source its fit never saw: per layout (``"all"`` first), and the
-    rows' labels and focus (for ROC curves)."""
+    """One kind measured on a source its fit never saw: per layout (``"all"`` first), the
+    rows' labels and focus (for ROC curves), and the fit's thresholds at each rate of
+    ``OPERATING_RATES`` (set without the source)."""
 
     measured: dict[str, Measured]
     labels: np.ndarray
     focus: np.ndarray
+    operating: dict[float, float] = field(default_factory=dict)
 
 
 def left_out_rows(pool: ScoredPool, source: str) -> tuple[np.ndarray, np.ndarray]:
@@ -352,7 +370,7 @@ def leave_one_source_out(
                 )
                 focus = probe_focus(pool, refit, test, on_test)
                 measured = per_layout(pool, test, focus, refit.threshold)
-                out[source][name] = LeftOut(measured, pool.labels[test], focus)
+                out[source][name] = LeftOut(measured, pool.labels[test], focus, refit.operating)
         if progress is not None:
             progress(source)
     return out

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -51,9 +52,11 @@ __all__ = [
     "HiddenPosition",
     "ModelProbeConfig",
     "load_model_config",
+    "missing_rate",
     "model_id_matches",
     "packaged_model_configs",
     "parse_json_text",
+    "rate_threshold",
     "read_json_file",
     "read_model_config",
     "resolve_config",
@@ -149,6 +152,30 @@ class Calibration(ConfigModel):
     # The longest data (tokens) among the calibration rows; a request with longer data gets a
     # ``beyond_calibration`` note on its verdict. None: not recorded (older configs).
     max_data_tokens: WholeNumber | None = Field(default=None, ge=0)
+
+
+def rate_threshold(points: Mapping[float, float], rate: float) -> float | None:
+    """The threshold ``points`` (``ModelProbeConfig.operating_points``) records for ``rate``,
+    or None.
+
+    Example:
+        >>> rate_threshold({0.01: 0.05, 0.02: 0.14}, 0.02), rate_threshold({0.01: 0.05}, 0.03)
+        (0.14, None)
+    """
+    for recorded, threshold in points.items():
+        if math.isclose(recorded, rate, rel_tol=1e-9, abs_tol=1e-12):
+            return threshold
+    return None
+
+
+def missing_rate(points: Mapping[float, float], rate: float) -> str:
+    """Why ``rate`` has no threshold in ``points``, and what records one (an error's end)."""
+    have = ", ".join(f"{r:g}" for r in points) or "none"
+    return (
+        f"records no threshold at rate {rate:g} (recorded: {have}); `guardrail calibrate` "
+        "records the rates 0.01, 0.02 and 0.05, and `guardrail threshold --target-fpr RATE` "
+        "sets one on your own clean traffic"
+    )
 
 
 _SIZE_FACTS = ("num_layers", "num_heads", "num_kv_heads", "hidden_size")
@@ -265,6 +292,55 @@ class ModelProbeConfig(ConfigModel):
             "the config it writes: DIR/NAME.json (attention heads: any engine mode) or "
             "DIR/NAME.combined.json (attention and hidden state: eager engines)"
         )
+
+    @property
+    def operating_points(self) -> dict[float, float]:
+        """The thresholds recorded by rate, ``{rate: threshold}``, on the basis the config's
+        own threshold was last set on: once re-set on the user's own clean traffic (``guardrail
+        threshold``), those flagging at most ``rate`` of that traffic
+        (``calibration.thresholds["traffic fpr@<rate>"]``); else those flagging at most
+        ``rate`` of the clean rows of every calibration source (``"worst-source
+        fpr@<rate>"``, as ``guardrail calibrate`` writes them). Empty without either.
+
+        Example:
+            >>> c = ModelProbeConfig(model_id="m", heads=[(0, 0)], threshold=0.05,
+            ...     calibration=Calibration(dataset="d", num_examples=1, sha256="0",
+            ...         thresholds={"worst-source fpr@0.01": 0.05, "worst-source fpr@0.02": 0.14}))
+            >>> c.operating_points
+            {0.01: 0.05, 0.02: 0.14}
+        """
+        thresholds = self.calibration.thresholds if self.calibration is not None else {}
+        for prefix in ("traffic fpr@", "worst-source fpr@"):
+            points = {}
+            for key, value in thresholds.items():
+                if key.startswith(prefix):
+                    try:
+                        points[float(key.removeprefix(prefix))] = float(value)
+                    except ValueError:
+                        continue  # a key this version does not read
+            if points:
+                return dict(sorted(points.items()))
+        return {}
+
+    def threshold_at(self, rate: float) -> float:
+        """The calibrated threshold that flags at most ``rate`` of the clean rows of every
+        calibration source (:attr:`operating_points`): a looser or stricter operating point
+        than the config's own ``threshold``, measured on the same rows, for
+        ``PromptInjectionPolicy(threshold=config.threshold_at(0.02))``. A rate the
+        calibration did not record is a ``ConfigError`` naming those it did.
+
+        Example:
+            >>> c = ModelProbeConfig(model_id="m", heads=[(0, 0)], threshold=0.05,
+            ...     calibration=Calibration(dataset="d", num_examples=1, sha256="0",
+            ...         thresholds={"worst-source fpr@0.02": 0.14}))
+            >>> c.threshold_at(0.02)
+            0.14
+        """
+        points = self.operating_points
+        threshold = rate_threshold(points, rate)
+        if threshold is None:
+            raise ConfigError(f"the probe config of {self.model_id!r} {missing_rate(points, rate)}")
+        return threshold
 
     @model_validator(mode="after")
     def _check(self) -> ModelProbeConfig:

@@ -20,9 +20,12 @@ def test_check_prints_what_the_engine_runs(tiny_engine: Any, capsys: pytest.Capt
     assert facts["block_size"] == info["block_size"] == 32
     assert facts["probe"]["heads"] == len(tiny_engine.config.heads)
     assert facts["probe"]["calibrated"] is (tiny_engine.config.calibration is not None)
+    points = tiny_engine.config.operating_points
+    assert facts["probe"]["operating_points"] == {f"{r:g}": t for r, t in points.items()}
 
     assert main(["check"], engine=tiny_engine) == 0
     text = capsys.readouterr().out
     assert f"attention        {info['backend']}" in text
     if tiny_engine.config.calibration is None:
         assert "NOT calibrated" in text and "guardrail calibrate" in text
+    assert ("operating points " in text) is bool(points)

@@ -237,7 +237,7 @@ def enclosing_bucket(value: float) -> tuple[float, float]:
 @pytest.mark.parametrize("variant", [None, "combined"])
 def test_score_buckets_resolve_the_shipped_thresholds(variant):
     """The shipped SmolLM2 thresholds (default 0.060, combined 0.048) are on a bucket edge or in
-    a bucket <= 0.01 wide (0.048065 lies in (0.045, 0.05])."""
+    a bucket <= 0.01 wide (0.048064 lies in (0.045, 0.05])."""
     threshold = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct", variant).threshold
     assert threshold is not None and 0 < threshold < 1
     lower, upper = enclosing_bucket(threshold)

@@ -4,14 +4,17 @@ same result twice gives the same bytes."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from guardrail.errors import ConfigError
 from guardrail.offline.datasets import LabelledPair, ScoreTable
 from guardrail.offline.pool_fit import ModelShape, calibrate_on_pool
 from guardrail.offline.pool_report import write_pool_calibration
 from guardrail.offline.row_scores import config_focus
-from guardrail.offline.transfer import ScoredPool, TransferRecipe, probe_focus
+from guardrail.offline.transfer import ScoredPool, TransferRecipe, measure, probe_focus
 from guardrail.offline.transfer_eval import evaluate_transfer, summary
 from guardrail.probe.config import read_model_config
 
@@ -94,6 +97,52 @@ def test_writing_the_same_result_twice_gives_the_same_bytes(tmp_path):
     for first, second in zip(*written, strict=True):
         assert first.read_bytes() == second.read_bytes(), first.name
     assert read_model_config(written[0][1]).hidden
+
+
+def test_operating_points_flag_at_most_their_rate_and_are_written(tmp_path):
+    """Each recorded rate's threshold flags at most that share of every source's clean rows
+    (out of fold), each source left out is measured at its own fit's threshold, and the config
+    and the report carry them."""
+    pool = synthetic_pool()
+    result = calibrate_on_pool(pool, SHAPE, "synthetic rows", RECIPE)
+    index = pool.calibration
+    sources, labels = pool.corpus[index], pool.labels[index]
+    for kind, config in result.configs.items():
+        probe, points = result.probes[kind], result.operating_points[kind]
+        assert [p["rate"] for p in points] == [0.01, 0.02, 0.05]
+        assert config.threshold_at(0.01) == config.threshold
+        assert config.operating_points == {p["rate"]: p["threshold"] for p in points}
+        thresholds = [p["threshold"] for p in points]
+        assert thresholds == sorted(thresholds)  # a looser rate never flags less
+        for point in points:
+            t = point["threshold"]
+            flagged = [
+                float((probe.fit.oof_focus[(sources == s) & (labels == 0)] <= t).mean())
+                for s in "abcd"
+            ]
+            assert max(flagged) <= point["rate"] + 1e-12
+            assert point["pool"]["flagged_clean_worst"] == round(max(flagged), 4)
+            caught = probe.fit.oof_focus[labels == 1] <= t
+            assert point["pool"]["caught"] == round(float(caught.mean()), 4)
+            unseen = [left[kind] for left in result.left_out.values()]
+            at = [left.operating[point["rate"]] for left in unseen]
+            shares = [
+                float((u.focus[u.labels == 0] <= a).mean()) for u, a in zip(unseen, at, strict=True)
+            ]
+            assert point["left_out"] is not None
+            assert point["left_out"]["flagged_clean_worst"] == round(max(shares), 4)
+        for left in result.left_out.values():  # the recipe's own rate is the fit's threshold
+            measured = measure(left[kind].labels, left[kind].focus, left[kind].operating[0.01])
+            assert measured == left[kind].measured["all"]
+        with pytest.raises(ConfigError, match=r"no threshold at rate 0.03 \(recorded: 0.01, 0.02"):
+            config.threshold_at(0.03)
+    write_pool_calibration(result, tmp_path, "synthetic")
+    written = read_model_config(tmp_path / "synthetic.combined.json")
+    assert written.operating_points == result.configs["combined"].operating_points
+    report = json.loads((tmp_path / "synthetic.report.json").read_text())
+    assert report["operating_points"]["combined"][1]["rate"] == 0.02
+    markdown = (tmp_path / "synthetic.report.md").read_text()
+    assert "## Operating points" in markdown and "combined, at most 2% per source" in markdown
 
 
 def test_the_transfer_evaluation_never_fits_a_test_row():

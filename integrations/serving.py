@@ -78,7 +78,7 @@ from guardrail.errors import (
 from guardrail.guard.async_guarded import AsyncGuardedLLM, GuardedStreamChunk
 from guardrail.metrics.http import make_asgi_app, merged_registry, scrape_registry
 from guardrail.metrics.recorder import GuardrailMetrics
-from guardrail.policy import Policy
+from guardrail.policy import ModelThresholds, Policy
 from guardrail.policy.verdict import Verdict
 from guardrail.probe.prompts import ChatWithTools, GuardedPrompt, Message
 
@@ -749,7 +749,7 @@ def main(argv: list[str] | None = None) -> None:
             print("guardrail-serve: give --policies or --threshold, not both", file=sys.stderr)
             raise SystemExit(2)
         try:  # validated against the served model's config before anything starts
-            loaded = load_policy_file(args.policies, config.threshold)
+            loaded = load_policy_file(args.policies, ModelThresholds.of(config))
         except GuardrailError as exc:
             print(f"guardrail-serve: {exc}", file=sys.stderr)
             raise SystemExit(2) from None

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from guardrail.errors import ConfigError
 from guardrail.policy import DataPatternPolicy, Policy, PromptInjectionPolicy, load_policies
-from guardrail.policy.kinds import load_policy
+from guardrail.policy.kinds import ModelThreshold, load_policy
 
 __all__ = ["PRESETS", "PolicySets", "load_policy_file", "load_policy_text", "policy_file_schema"]
 
@@ -100,7 +100,7 @@ def policy_file_schema() -> dict[str, Any]:
     return PolicyFile.model_json_schema()
 
 
-def _entries(raw: Any, where: str, model_threshold: float | None) -> tuple[Policy, ...]:
+def _entries(raw: Any, where: str, model_threshold: ModelThreshold) -> tuple[Policy, ...]:
     if not isinstance(raw, list):
         raise ConfigError(f"{where}: expected a list of policies, got {type(raw).__name__}")
     loaded: list[Policy] = []
@@ -123,7 +123,7 @@ def _entries(raw: Any, where: str, model_threshold: float | None) -> tuple[Polic
 
 
 def load_policy_text(
-    text: str, model_threshold: float | None, *, yaml: bool = False, source: str = "policies"
+    text: str, model_threshold: ModelThreshold, *, yaml: bool = False, source: str = "policies"
 ) -> PolicySets:
     """Policy sets from the text of a file (JSON, or YAML with ``yaml=True``)."""
     try:
@@ -156,7 +156,7 @@ def load_policy_text(
     return PolicySets(default, overrides)
 
 
-def load_policy_file(path: str | Path, model_threshold: float | None) -> PolicySets:
+def load_policy_file(path: str | Path, model_threshold: ModelThreshold) -> PolicySets:
     """Policy sets from a JSON or YAML file (``.yaml`` / ``.yml``: YAML)."""
     path = Path(path)
     try:

@@ -31,6 +31,7 @@ from guardrail.guard.settings import DEFAULT_REFUSAL, GuardSettings, OnBlock, Ve
 from guardrail.policy.decide import decide, early_stop
 from guardrail.policy.kinds import (
     DEFAULT_POLICY,
+    ModelThresholds,
     PerRequestPolicies,
     Policy,
     PolicyLike,
@@ -154,8 +155,9 @@ class Decider:
     ) -> None:
         self.config = config
         self.threshold = config.threshold
+        self.thresholds = ModelThresholds.of(config)  # what policies resolve theirs against
         self.policies: tuple[Policy, ...] = load_policies(
-            policies if policies is not None else [DEFAULT_POLICY], config.threshold
+            policies if policies is not None else [DEFAULT_POLICY], self.thresholds
         )
         self.settings = settings = settings if settings is not None else GuardSettings()
         self.model_name = settings.model_name or config.model_id
@@ -166,7 +168,7 @@ class Decider:
         metrics = self.settings.metrics
         export = getattr(metrics, "set_thresholds", None)
         if callable(export):  # threshold gauges and zeroed decision series, from the start
-            export(self.policies, self.model_name, model_threshold=self.threshold)
+            export(self.policies, self.model_name, model_threshold=self.thresholds)
         calibrated = getattr(metrics, "set_calibrated", None)
         if callable(calibrated):
             calibrated(self.config.uncalibrated is None, self.model_name)
@@ -181,7 +183,9 @@ class Decider:
         """Each request's policies (overrides resolved); ``prepare`` readies retry policies
         (loads their vectors). A bad override fails its own request (``errors``)."""
         sets: list[tuple[Policy, ...]] = []
-        for i, entry in enumerate(policies_per_request(policies, n, self.policies, self.threshold)):
+        for i, entry in enumerate(
+            policies_per_request(policies, n, self.policies, self.thresholds)
+        ):
             try:
                 if not isinstance(entry, ConfigError) and prepare is not None:
                     prepare(entry)
@@ -215,7 +219,7 @@ class Decider:
             return None, False
         if engine.stop_token is None:
             return None, False
-        return early_stop(policies, self.threshold, attempt, request_segments(request))
+        return early_stop(policies, self.thresholds, attempt, request_segments(request))
 
     def verdict(
         self,
@@ -243,7 +247,7 @@ class Decider:
                 stopped_early=probe.stopped,
             )
             verdict = decide(
-                policies, reading, request_id=request_id, model_threshold=self.threshold
+                policies, reading, request_id=request_id, model_threshold=self.thresholds
             )
         notes = {
             "beyond_calibration": self._beyond_calibration(prompt.num_data_tokens, verdict),

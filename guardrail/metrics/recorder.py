@@ -37,6 +37,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from guardrail.policy.kinds import ModelThreshold
 from guardrail.policy.verdict import Action, FailureMode, Verdict
 from guardrail.probe.scoring import FOCUS
 from guardrail.protocol import ProbeErrorReason
@@ -97,7 +98,7 @@ def _installed_version(*distributions: str) -> str:
     return "unknown"
 
 
-def _policy_threshold(policy: Any, model_threshold: float | None) -> float | None:
+def _policy_threshold(policy: Any, model_threshold: ModelThreshold) -> float | None:
     threshold = getattr(policy, "threshold", None)
     resolve = getattr(policy, "effective_threshold", None)
     if threshold is None and model_threshold is not None and callable(resolve):
@@ -364,7 +365,7 @@ class GuardrailMetrics:
         policies: Iterable[Any],
         model_name: str | None = None,
         *,
-        model_threshold: float | None = None,
+        model_threshold: ModelThreshold = None,
     ) -> None:
         """Export each policy's threshold; policies need ``.name`` and ``.threshold``.
 

@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from guardrail.policy.kinds import NEVER_BY_SCORE, STOP_ALWAYS, Policy, PromptInjectionPolicy
+from guardrail.policy.kinds import (
+    NEVER_BY_SCORE,
+    STOP_ALWAYS,
+    ModelThreshold,
+    Policy,
+    PromptInjectionPolicy,
+)
 from guardrail.policy.reading import Reading
 from guardrail.policy.verdict import Action, Attempt, FailureMode, PolicyDecision, Verdict
 from guardrail.probe.prompts import Segment
@@ -28,7 +34,7 @@ __all__ = ["decide", "early_stop", "evaluate", "retry_policy", "strictest"]
 
 
 def evaluate(
-    policy: Policy, reading: Reading, model_threshold: float | None = None
+    policy: Policy, reading: Reading, model_threshold: ModelThreshold = None
 ) -> PolicyDecision:
     """One policy's decision on one reading (pure): ``policy.evaluate``.
 
@@ -64,7 +70,7 @@ def decide(
     reading: Reading,
     *,
     request_id: str,
-    model_threshold: float | None = None,
+    model_threshold: ModelThreshold = None,
 ) -> Verdict:
     """Every policy's decision, combined into the request's ``Verdict`` (pure).
 
@@ -115,7 +121,7 @@ def decide(
 
 def early_stop(
     policies: Sequence[Policy],
-    model_threshold: float | None = None,
+    model_threshold: ModelThreshold = None,
     attempt: int = 1,
     segments: Sequence[Segment] = (),
 ) -> tuple[float | None, bool]:

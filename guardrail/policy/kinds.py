@@ -25,6 +25,7 @@ import math
 import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Annotated, Any, Literal, cast
 
@@ -34,6 +35,7 @@ from guardrail.errors import ConfigError
 from guardrail.policy.reading import Reading
 from guardrail.policy.retry import RetrySettings
 from guardrail.policy.verdict import Action, FailureMode, PolicyDecision
+from guardrail.probe.config import ModelProbeConfig, missing_rate, rate_threshold
 from guardrail.probe.prompts import Segment
 from guardrail.probe.scoring import FOCUS
 from guardrail.strict import (
@@ -51,6 +53,8 @@ __all__ = [
     "POLICY_TYPES",
     "STOP_ALWAYS",
     "DataPatternPolicy",
+    "ModelThreshold",
+    "ModelThresholds",
     "PerRequestPolicies",
     "Policy",
     "PolicyLike",
@@ -66,11 +70,34 @@ STOP_ALWAYS = 1.0
 """A ``stop_below`` every focus reaches: the request is decided (blocked) before it runs."""
 
 
+@dataclass(frozen=True)
+class ModelThresholds:
+    """A model config's thresholds as policies resolve them: its own (``threshold``), and the
+    operating points its calibration recorded by rate (``ModelProbeConfig.operating_points``).
+    Wherever a policy takes a ``model_threshold``, a plain number means this with no operating
+    points."""
+
+    threshold: float | None
+    by_rate: Mapping[float, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, config: ModelProbeConfig) -> ModelThresholds:
+        return cls(config.threshold, config.operating_points)
+
+
+ModelThreshold = float | ModelThresholds | None
+"""What a policy resolves its threshold against: the model config's threshold, or all of the
+config's thresholds (:class:`ModelThresholds`)."""
+
+
 class PromptInjectionPolicy(ConfigModel):
     """Act on a probe signal: ``action`` when ``signal <= threshold`` (default: the focus).
 
     ``threshold`` defaults to the model config's calibrated threshold, optionally moved by
-    ``threshold_offset`` (positive = stricter). ``shadow`` policies are evaluated and recorded,
+    ``threshold_offset`` (positive = stricter); or ``target_fpr`` names another of the config's
+    calibrated operating points: the threshold that flagged at most that share of the clean
+    rows of every calibration source (``ModelProbeConfig.threshold_at``; ``guardrail
+    calibrate`` records 0.01, 0.02 and 0.05). ``shadow`` policies are evaluated and recorded,
     never enforced. ``on_probe_error`` decides when the probe could not score the request.
     ``retry`` configures action ``retry_with_steering`` (see ``guardrail.policy.retry``).
     Numbers are strict and finite (a bool, a string, NaN or infinity is a ``ConfigError``).
@@ -80,6 +107,9 @@ class PromptInjectionPolicy(ConfigModel):
         0.3
         >>> PromptInjectionPolicy(threshold_offset=0.1).effective_threshold(0.5)
         0.6
+        >>> points = ModelThresholds(0.05, {0.01: 0.05, 0.02: 0.14})
+        >>> PromptInjectionPolicy(target_fpr=0.02).effective_threshold(points)
+        0.14
     """
 
     kind: Literal["prompt_injection"] = "prompt_injection"
@@ -88,6 +118,7 @@ class PromptInjectionPolicy(ConfigModel):
     signal: str = Field(default=FOCUS, min_length=1)
     threshold: FiniteNumber | None = Field(default=None, ge=0.0, le=1.0)
     threshold_offset: FiniteNumber = Field(default=0.0, ge=-1.0, le=1.0)
+    target_fpr: FiniteNumber | None = Field(default=None, gt=0.0, lt=1.0)
     shadow: Flag = False
     on_probe_error: Annotated[FailureMode, StringInput] = FailureMode.FAIL_CLOSED
     retry: RetrySettings = Field(default_factory=RetrySettings)
@@ -100,17 +131,41 @@ class PromptInjectionPolicy(ConfigModel):
                 "retry settings only apply to action 'retry_with_steering'; set that action "
                 "or remove retry"
             )
-        if self.threshold is not None and self.threshold_offset:
+        given = [
+            name
+            for name, value in (
+                ("threshold", self.threshold),
+                ("threshold_offset", self.threshold_offset or None),
+                ("target_fpr", self.target_fpr),
+            )
+            if value is not None
+        ]
+        if len(given) > 1:
             raise ValueError(
-                "give either threshold (absolute) or threshold_offset (relative to "
-                "the model config's threshold), not both"
+                "give one of threshold (absolute), threshold_offset (relative to the model "
+                "config's threshold) or target_fpr (one of the config's calibrated operating "
+                f"points), not {' and '.join(given)}"
             )
         return self
 
-    def effective_threshold(self, model_threshold: float | None) -> float:
-        """The threshold this policy applies on a model whose config says ``model_threshold``."""
+    def effective_threshold(self, model_threshold: ModelThreshold) -> float:
+        """The threshold this policy applies on a model whose config says ``model_threshold``
+        (its threshold, or all of its thresholds: :class:`ModelThresholds`)."""
         if self.threshold is not None:
             return self.threshold
+        if isinstance(model_threshold, ModelThresholds):
+            points, model_threshold = model_threshold.by_rate, model_threshold.threshold
+        else:
+            points = {}
+        if self.target_fpr is not None:
+            rate = self.target_fpr
+            threshold = rate_threshold(points, rate)
+            if threshold is None:
+                raise ConfigError(
+                    f"policy {self.name!r} asks for the threshold at target_fpr {rate:g}, and "
+                    f"the model config {missing_rate(points, rate)}"
+                )
+            return threshold
         if model_threshold is not None and (
             isinstance(model_threshold, bool)
             or not isinstance(model_threshold, numbers.Real)
@@ -132,7 +187,7 @@ class PromptInjectionPolicy(ConfigModel):
         """The same policy in shadow mode: decided and recorded, never enforced."""
         return self.model_copy(update={"shadow": True})
 
-    def evaluate(self, reading: Reading, model_threshold: float | None = None) -> PolicyDecision:
+    def evaluate(self, reading: Reading, model_threshold: ModelThreshold = None) -> PolicyDecision:
         """This policy's decision on one reading (pure).
 
         Example:
@@ -166,7 +221,7 @@ class PromptInjectionPolicy(ConfigModel):
         )
 
     def stop_below(
-        self, model_threshold: float | None, attempt: int, segments: Sequence[Segment]
+        self, model_threshold: ModelThreshold, attempt: int, segments: Sequence[Segment]
     ) -> float | None:
         """The focus at or below which the engine may end the request right after prefill:
         when this policy would block it, or when a retry's text would be thrown away (every
@@ -273,11 +328,11 @@ class DataPatternPolicy(ConfigModel):
                         return index
         return None
 
-    def effective_threshold(self, model_threshold: float | None) -> None:
+    def effective_threshold(self, model_threshold: ModelThreshold) -> None:
         """No threshold: this policy does not read a score."""
         return None
 
-    def evaluate(self, reading: Reading, model_threshold: float | None = None) -> PolicyDecision:
+    def evaluate(self, reading: Reading, model_threshold: ModelThreshold = None) -> PolicyDecision:
         """This policy's decision on one reading (pure; the probe's outcome does not matter)."""
         found = self.match(reading.segments)
         action = Action.ALLOW if found is None else self.action
@@ -291,7 +346,7 @@ class DataPatternPolicy(ConfigModel):
         )
 
     def stop_below(
-        self, model_threshold: float | None, attempt: int, segments: Sequence[Segment]
+        self, model_threshold: ModelThreshold, attempt: int, segments: Sequence[Segment]
     ) -> float | None:
         """``STOP_ALWAYS`` when this policy blocks the request's data, else None."""
         blocks = not self.shadow and self.action is Action.BLOCK
@@ -355,7 +410,7 @@ def load_policy(data: PolicyLike) -> Policy:
 
 
 def load_policies(
-    policies: Iterable[PolicyLike], model_threshold: float | None
+    policies: Iterable[PolicyLike], model_threshold: ModelThreshold
 ) -> tuple[Policy, ...]:
     """Validate a policy set: at least one policy, distinct names, every threshold resolvable.
 
@@ -398,7 +453,7 @@ def policies_per_request(
     policies: PerRequestPolicies,
     n: int,
     defaults: tuple[Policy, ...],
-    model_threshold: float | None,
+    model_threshold: ModelThreshold,
 ) -> list[tuple[Policy, ...] | ConfigError]:
     """Each of ``n`` requests' policy set; a bad per-request entry is that request's error.
 

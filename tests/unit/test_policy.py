@@ -88,8 +88,13 @@ def test_retry_settings_are_validated() -> None:
 
 
 def test_threshold_and_offset_are_exclusive() -> None:
-    with pytest.raises(ConfigError, match="not both"):
+    with pytest.raises(ConfigError, match="not threshold and threshold_offset"):
         PromptInjectionPolicy(threshold=0.5, threshold_offset=0.1)
+    with pytest.raises(ConfigError, match="not threshold_offset and target_fpr"):
+        PromptInjectionPolicy(threshold_offset=0.1, target_fpr=0.02)
+    for bad in (0.0, 1.0, -0.1, True, "0.02", float("nan")):
+        with pytest.raises(ConfigError, match="target_fpr"):
+            PromptInjectionPolicy(target_fpr=bad)
 
 
 # -- strict, finite numbers and safe loading (issue "Reliability and security", item 5) ----------

@@ -16,9 +16,17 @@ full. With ``--plain-v1`` a further engine, plain vLLM forced onto its V1 model 
 in the same rotation: the guarded engine's logits processor (early stops) makes vLLM fall
 back from Model Runner V2 to V1, and this arm shows what that fallback costs by itself.
 
-Reported per (shape, mode, probe kind, prompt length, batch, tokens generated): median wall
-time of each engine, throughput ratio guarded/plain, and how many requests came back unscored
-(must be 0). With one generated token and batch 1, the wall time is the time to first token.
+The probe (``--probe-layouts``): ``shipped`` (the default) is a random-weight config laid out as
+the shipped SmolLM2 config of its kind is, at the same relative depths (attention: 42 heads on
+5 layers; combined: 6 heads on 3 layers, the stream at the last prompt token of 2 layers, the
+data's mean of 1 and the token read-out over the data of 3); ``stress`` is the probe the GPU
+issue was first measured with (128 heads, 8 on each of 16 layers; docs/gpu.md's tables before
+2026-12-05, seventh session). ``guardrail.testing.dummy_models.dummy_probe_config``.
+
+Reported per (shape, mode, probe kind and layout, prompt length, batch, tokens generated):
+median wall time of each engine, throughput ratio guarded/plain, and how many requests came
+back unscored (must be 0). With one generated token and batch 1, the wall time is the time to
+first token.
 
 Usage (on the GPU machine, ../shared/gpu/README.md):
     python benchmarks/bench_gpu.py --shapes 1b 8b --plain-text --plain-v1 \
@@ -37,15 +45,17 @@ from typing import Any
 
 from tqdm import tqdm
 
+from guardrail.testing.dummy_models import PROBE_LAYOUTS
 from guardrail.testing.timing import requests_of, time_once
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_shape(
-    args: argparse.Namespace, shape: str, mode: str, kind: str, keep: Any
+    args: argparse.Namespace, shape: str, mode: str, kind: str, layout: str, keep: Any
 ) -> list[dict[str, Any]]:
-    """Both engines of one (shape, mode, kind), every case; ``keep(row)`` after each case."""
+    """Both engines of one (shape, mode, kind, probe layout), every case; ``keep(row)`` after
+    each case."""
     from vllm import LLM
 
     from guardrail.engine import HookedLLM
@@ -63,7 +73,7 @@ def run_shape(
         "enforce_eager": mode == "eager",
         "tensor_parallel_size": args.tensor_parallel_size,
     }
-    guarded = HookedLLM(model, dummy_probe_config(shape, kind), **engine_args)
+    guarded = HookedLLM(model, dummy_probe_config(shape, kind, layout), **engine_args)
     engines: dict[str, Any] = {"guarded": guarded, "plain": LLM(model, **engine_args)}
     if args.plain_text:  # the same engine, fed text: the tokenization an application pays anyway
         engines["plain_text"] = engines["plain"]
@@ -76,7 +86,7 @@ def run_shape(
     tokenizer = engines["plain"].get_tokenizer()
     rows = []
     cases = [(n, b, t) for n in args.lengths for b in args.batches for t in args.max_tokens]
-    for length, batch, max_tokens in tqdm(cases, desc=f"{shape} {mode} {kind}"):
+    for length, batch, max_tokens in tqdm(cases, desc=f"{shape} {mode} {kind} {layout}"):
         walls: dict[str, list[float]] = {name: [] for name in engines}
         unscored = 0
         for repeat in range(args.repeats + 1):
@@ -97,6 +107,7 @@ def run_shape(
                 "shape": shape,
                 "mode": mode,
                 "kind": kind,
+                "layout": layout,
                 "prompt_tokens": len(prepared[0][1].token_ids),
                 "batch": batch,
                 "max_tokens": max_tokens,
@@ -125,6 +136,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["compiled"], choices=["compiled", "eager"])
     parser.add_argument(
         "--kinds", nargs="+", default=["attention"], choices=["attention", "combined"]
+    )
+    parser.add_argument(
+        "--probe-layouts", nargs="+", default=["shipped"], choices=list(PROBE_LAYOUTS)
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -174,7 +188,8 @@ def main() -> None:
     for shape in args.shapes:
         for mode in args.modes:
             for kind in args.kinds:
-                run_shape(args, shape, mode, kind, keep)
+                for layout in args.probe_layouts:
+                    run_shape(args, shape, mode, kind, layout, keep)
 
 
 if __name__ == "__main__":

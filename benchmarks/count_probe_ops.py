@@ -99,7 +99,7 @@ def main() -> None:
     model = build_model(args.cache)
     engine = HookedLLM(
         str(model),
-        dummy_probe_config("1b"),
+        dummy_probe_config("1b", "attention", "stress"),
         load_format="dummy",
         dtype="float32",
         max_model_len=4 * args.tokens + 256,

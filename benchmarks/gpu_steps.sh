@@ -5,7 +5,7 @@
 # back (an idle machine is taken back after 30 s).
 #
 #   bash benchmarks/gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|
-#                                profile|ab|serve|
+#                                layouts1b|layouts8b|profile|ab|serve|
 #                                calibrate1b|calibrate8b|calibrate-start|calibrate-wait|tokenfit
 #
 # hidden1b / hidden8b: compiled, the combined probe (hidden state through the taps) and the
@@ -21,11 +21,16 @@
 # calibrate-start / calibrate-wait: the same for both shapes (CALIBRATE_SHAPES, default "8b 1b")
 # end to end in a background process session that outlives each call; calibrate-wait follows it
 # (WAIT_S, default 560 s) and brings its logs, times and configs back.
+# PROBE_LAYOUT (default shipped): the dummy probe of the bench, hidden, eager, profile, ab and
+# serve steps: laid out as the shipped config of its kind, or `stress` (128 heads on 16 layers,
+# what every table before 2026-12-05's seventh session measured); `layouts1b`: compiled, both
+# kinds, both layouts side by side (512 and 2,048 tokens x 64 and 1; about 7 minutes);
+# `layouts8b`: the same with the shipped layout only (the stress one was measured at 8B before).
 # tokenfit: the time of one token model of calibrate's token read-out on the GPU: one 1B layer
 # (2,048) and three layers of the 1B and 8B shapes (6,144, 12,288; benchmarks/token_fit_speed.py);
 # then the 84 models of a calibration fitted together on labels at random, 3 one at a time beside.
 set -uo pipefail
-step=${1:?usage: gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|profile|ab|serve|calibrate1b|calibrate8b|calibrate-start|calibrate-wait|tokenfit}
+step=${1:?usage: gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|layouts1b|layouts8b|profile|ab|serve|calibrate1b|calibrate8b|calibrate-start|calibrate-wait|tokenfit}
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 . /tmp/gpu-env.sh
@@ -38,6 +43,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:$PYTHONPATH
 export GUARDRAIL_COMMIT=${GUARDRAIL_COMMIT:-$(cat COMMIT 2>/dev/null || echo unknown)}
 quiet() { grep -v " INFO \| WARNING \|DEBUG\|it/s\]"; }
+layout=${PROBE_LAYOUT:-shipped}
 case $step in
   tests) python3 -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | quiet | tail -40 \
     | tee "$out/gpu_tests.txt" ;;
@@ -45,26 +51,35 @@ case $step in
     select="hidden or memo"; [ "$step" = tests-rest ] && select="not ($select)"
     python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k "$select" 2>&1 | quiet | tail -40 \
     | tee "$out/gpu_$step.txt" ;;
-  bench1b) python3 benchmarks/bench_gpu.py --shapes 1b --plain-text --lengths 512 2048 \
+  bench1b) python3 benchmarks/bench_gpu.py --shapes 1b --plain-text --probe-layouts "$layout" --lengths 512 2048 \
     --batches 64 1 16 --max-tokens 1 --out "$out/gpu_1b.json" 2>&1 | grep "^{" ;;
-  bench8b) python3 benchmarks/bench_gpu.py --shapes 8b --plain-text --lengths 512 2048 \
+  bench8b) python3 benchmarks/bench_gpu.py --shapes 8b --plain-text --probe-layouts "$layout" --lengths 512 2048 \
     --batches 64 16 1 --max-tokens 1 --out "$out/gpu_8b.json" 2>&1 | grep "^{" ;;
-  eager) python3 benchmarks/bench_gpu.py --shapes 1b 8b --modes eager --kinds attention combined \
+  eager) python3 benchmarks/bench_gpu.py --shapes 1b 8b --modes eager --kinds attention combined --probe-layouts "$layout" \
     --plain-text --lengths 512 --batches 64 1 --max-tokens 1 --repeats 5 \
     --out "$out/gpu_eager.json" 2>&1 | grep "^{" ;;
   eager1b|eager8b) shape=${step#eager}  # the whole matrix of one shape: 512 and 2,048 x 1, 16, 64
     python3 benchmarks/bench_gpu.py --shapes "$shape" --modes eager --kinds attention combined \
+    --probe-layouts "$layout" \
     --plain-text --lengths 512 2048 --batches 64 16 1 --max-tokens 1 --repeats 5 \
     --out "$out/gpu_eager_$shape.json" 2>&1 | grep "^{" ;;
   hidden1b|hidden8b) shape=${step#hidden}  # compiled, the combined probe (taps, worker memos)
     python3 benchmarks/bench_gpu.py --shapes "$shape" --modes compiled --kinds combined attention \
+    --probe-layouts "$layout" \
     --lengths 512 2048 --batches 64 1 --max-tokens 1 64 --repeats 5 \
     --out "$out/gpu_hidden_$shape.json" 2>&1 | grep "^{" ;;
-  profile) python3 benchmarks/profile_phases.py --shape 1b --cases 1x512 64x512 --rounds 5 \
+  layouts1b|layouts8b) shape=${step#layouts}  # compiled, both kinds, shipped (and stress at 1B)
+    both="shipped stress"; [ "$shape" = 8b ] && both=shipped
+    # shellcheck disable=SC2086
+    python3 benchmarks/bench_gpu.py --shapes "$shape" --modes compiled --kinds attention combined \
+    --probe-layouts $both --plain-text --lengths 512 2048 --batches 64 1 --max-tokens 1 \
+    --repeats 5 --out "$out/gpu_layouts_$shape.json" 2>&1 | grep "^{" ;;
+  profile) python3 benchmarks/profile_phases.py --probe-layout "$layout" --shape 1b --cases 1x512 64x512 --rounds 5 \
     --torch-profile --out "$out/phases.json" 2>&1 | quiet | tail -80 ;;
-  ab) python3 benchmarks/profile_phases.py --shape 1b --cases 1x512 16x512 64x512 --rounds 5 \
+  ab) python3 benchmarks/profile_phases.py --probe-layout "$layout" --shape 1b --cases 1x512 16x512 64x512 --rounds 5 \
     --variants default one-chunk --out "$out/phases_ab.json" 2>&1 | quiet | tail -30 ;;
   serve) python3 benchmarks/load_serving.py --model dummy-1b --device gpu --rounds 1 \
+    --probe-layout "$layout" \
     --clients 32 64 --requests 128 --no-doc --start-timeout 200 2>&1 | quiet | tail -40
     cp benchmarks/results/load_serving_dummy-1b_gpu*.json "$out/" ;;
   calibrate1b|calibrate8b) shape=${step#calibrate}

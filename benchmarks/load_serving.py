@@ -626,7 +626,8 @@ def model_and_config(args: argparse.Namespace, tmp: Path) -> tuple[str, str | No
         config_path = tmp / f"{args.model}_probe_config.json"
         # random weights give random scores: threshold 0 blocks none, so both arms do the same
         # work (the in-engine stop is still armed and decided for every request)
-        config = dummy_probe_config(shape).model_copy(update={"threshold": 0.0})
+        config = dummy_probe_config(shape, "attention", args.probe_layout)
+        config = config.model_copy(update={"threshold": 0.0})
         config_path.write_text(json.dumps(config.model_dump(mode="json")))
         return str(path), str(config_path)
     if args.model == "smollm2":
@@ -834,6 +835,13 @@ def parse_args() -> argparse.Namespace:
         help="engine settings for this device (auto: gpu when CUDA is available)",
     )
     parser.add_argument("--eager", action="store_true", help="gpu: enforce_eager on both servers")
+    parser.add_argument(
+        "--probe-layout",
+        default="shipped",
+        choices=["shipped", "stress"],
+        help="dummy models: the probe laid out as the shipped attention config, or 128 heads on "
+        "16 layers (guardrail.testing.dummy_models.dummy_probe_config)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="each runs both arms, alternating")
     parser.add_argument(
         "--clients",

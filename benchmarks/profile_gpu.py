@@ -82,6 +82,12 @@ def summarize(raw: str, top: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="1b", choices=["1b", "8b"])
+    parser.add_argument(
+        "--probe-layout",
+        default="shipped",
+        choices=["shipped", "stress"],
+        help="the probe: laid out as the shipped attention config, or 128 heads on 16 layers",
+    )
     parser.add_argument("--cases", nargs="+", default=["1x2048", "64x512"], help="BATCHxLENGTH")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
@@ -110,7 +116,9 @@ def main() -> None:
         "seed": 0,
     }
     engines: dict[str, Any] = {
-        "guarded": HookedLLM(model, dummy_probe_config(args.shape), **engine_args)
+        "guarded": HookedLLM(
+            model, dummy_probe_config(args.shape, "attention", args.probe_layout), **engine_args
+        )
     }
     if args.sampler == "py-spy":
         from vllm import LLM

@@ -173,6 +173,13 @@ def variant_settings(variant: str) -> tuple[bool, int, str | None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="1b", choices=["1b", "8b"])
+    parser.add_argument(
+        "--probe-layout",
+        default="shipped",
+        choices=["shipped", "stress"],
+        help="the probe: laid out as the shipped attention config, or 128 heads on 16 layers "
+        "(guardrail.testing.dummy_models.dummy_probe_config)",
+    )
     parser.add_argument("--cases", nargs="+", default=["1x512", "64x512"], help="BATCHxLENGTH")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--variants", nargs="+", default=["default"], choices=VARIANTS)
@@ -217,7 +224,8 @@ def main() -> None:
         "enforce_eager": args.eager,
         "seed": 0,
     }
-    guarded = HookedLLM(model, dummy_probe_config(args.shape), **engine_args)
+    config = dummy_probe_config(args.shape, "attention", args.probe_layout)
+    guarded = HookedLLM(model, config, **engine_args)
     plain = guarded.llm
     tokenizer = plain.get_tokenizer()
     plain.collective_rpc(install_worker_timers)

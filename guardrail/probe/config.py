@@ -290,7 +290,8 @@ class ModelProbeConfig(ConfigModel):
             "unreliable. Calibrate it: `guardrail calibrate --model MODEL --out DIR` (the "
             "packaged calibration pool; --data ROWS.jsonl for your own rows), then serve with "
             "the config it writes: DIR/NAME.json (attention heads: any engine mode) or "
-            "DIR/NAME.combined.json (attention and hidden state: eager engines)"
+            "DIR/NAME.combined.json (attention and hidden state: eager engines, and compiled "
+            "ones on CPU and CUDA)"
         )
 
     @property

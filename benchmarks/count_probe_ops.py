@@ -9,7 +9,8 @@ logits processor, next to their host milliseconds, on a CPU engine in this proce
 
 The model is a dummy-weight Llama with the 1B shape's attention layout (16 layers, 32 heads of
 32, 8 KV heads) and a small hidden size so the CPU runs it quickly, probed like the GPU
-benchmarks (``dummy_probe_config("1b")``: 128 heads on 16 layers, early stop armed). On CPU the
+benchmarks (``dummy_probe_config("1b", "attention", layout)``: ``--probe-layout stress``, 128
+heads on 16 layers, or ``shipped``, 42 heads on 5 layers; early stop armed). On CPU the
 probe takes its PyTorch path (no Triton); the plan, focus, stop decision and table copy are the
 same code as on a GPU.
 
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--probe-layout", default="stress", choices=["shipped", "stress"])
     parser.add_argument("--cache", type=Path, default=Path("/tmp/guardrail-ops"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/probe_ops.json")
     args = parser.parse_args()
@@ -99,7 +101,7 @@ def main() -> None:
     model = build_model(args.cache)
     engine = HookedLLM(
         str(model),
-        dummy_probe_config("1b", "attention", "stress"),
+        dummy_probe_config("1b", "attention", args.probe_layout),
         load_format="dummy",
         dtype="float32",
         max_model_len=4 * args.tokens + 256,
@@ -131,6 +133,7 @@ def main() -> None:
                         for label, spent in seconds.items():
                             timed[label].append(spent * 1e3)
             row = {
+                "layout": args.probe_layout,
                 "batch": batch,
                 "prompt_tokens": args.tokens,
                 "ops_per_call": counted,

@@ -8,15 +8,22 @@ sum: the delta is computed from ``h + r`` and added to ``h`` alone, and only on 
 is kept per request between steps: each step reads the specs from the requests themselves.
 The same hooks can capture the stream of a request's last prompt token (``CAPTURE_ARG``) for
 building vectors. Python forward hooks only run in eager mode, so loading refuses otherwise.
+
+Batched per step, as the probe is: the first hook of a step reads the batch layout from the
+model runner's host buffers (no synchronisation with the device), groups the steered requests
+by what steers them (vector, method, coefficient; normally one group) and sends each group's
+token rows to the device in one non-blocking copy; each hooked layer then steers a group with a
+gather, one delta and, for the step, one ``index_add``, whatever the number of requests.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from guardrail.protocol import (
@@ -28,6 +35,7 @@ from guardrail.protocol import (
 )
 from guardrail.steering.math import SteeringMethod, steering_delta
 from guardrail.worker.forward import decoder_layers, step_metadata
+from guardrail.worker.rows import HostStaging, batch_layout
 
 __all__ = ["SteeringHooks"]
 
@@ -52,16 +60,31 @@ class _SteerRow:
     coefficient: float = 0.0
 
 
+@dataclass
+class _SteerGroup:
+    """The step's requests steered alike (one vector, method and coefficient): their token
+    rows of the flattened batch, on the device, and the rows on the host (reports)."""
+
+    vector: _Vector
+    method: SteeringMethod
+    coefficient: float
+    rows: list[_SteerRow] = field(default_factory=list)
+    index: torch.Tensor | None = None  # [tokens] long: every member's token rows
+
+
 class _Steering:
     """Steering state of one worker: loaded vectors, hooks, this step's rows, reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any = "cpu") -> None:
+        self.staging = HostStaging(device)  # the step's token rows to the device
         self.vectors: dict[str, _Vector] = {}
         self.capture_layers: set[int] = set()
         self.handles: dict[int, Any] = {}  # layer -> RemovableHandle of its forward hook
         self.reports: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._step: object = None
         self._rows: list[_SteerRow] = []
+        self._groups: list[_SteerGroup] = []
+        self._captures: torch.Tensor | None = None  # [captured rows] their last prompt token
 
     def report(self, key: str) -> dict[str, Any]:
         if key not in self.reports:
@@ -77,7 +100,7 @@ class _Steering:
         context = get_forward_context()
         if context is self._step:
             return self._rows
-        self._step, self._rows = context, []
+        self._step, self._rows, self._groups, self._captures = context, [], [], None
         metadata = step_metadata(context)
         if metadata is None:  # warm-up, profiling, micro-batching
             return self._rows
@@ -89,18 +112,47 @@ class _Steering:
                 found.append((i, state, extra.get(STEER_ARG), extra.get(CAPTURE_ARG)))
         if not found:
             return self._rows
-        starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
+        starts, computed = batch_layout(runner, metadata)  # host buffers: no device sync
         for i, state, steer, capture in found:
-            start, end = starts[i], starts[i + 1]
+            start, end = int(starts[i]), int(starts[i + 1])
             capture_row = None
-            first_pos, last_prompt = seq_lens[i] - (end - start), state.num_prompt_tokens - 1
-            if capture and first_pos <= last_prompt < seq_lens[i]:
+            first_pos, last_prompt = int(computed[i]), state.num_prompt_tokens - 1
+            if capture and first_pos <= last_prompt < first_pos + (end - start):
                 capture_row = start + last_prompt - first_pos
             row = _SteerRow(str((steer or capture)["key"]), start, end, capture_row)
             if steer:
                 self._resolve(row, steer)
             self._rows.append(row)
+        self._batch()
         return self._rows
+
+    def _batch(self) -> None:
+        """Group the step's steered rows and send every index the layers need to the device,
+        in one copy."""
+        groups: dict[tuple[int, str, float], _SteerGroup] = {}
+        for row in self._rows:
+            if row.vector is not None:
+                how = (id(row.vector), row.method, row.coefficient)
+                if how not in groups:
+                    groups[how] = _SteerGroup(row.vector, row.method, row.coefficient)
+                groups[how].rows.append(row)
+        self._groups = list(groups.values())
+        parts = [
+            np.arange(row.start, row.end, dtype=np.int64)
+            for group in self._groups
+            for row in group.rows
+        ]
+        captured = [row.capture_row for row in self._rows if row.capture_row is not None]
+        packed = np.concatenate([*parts, np.asarray(captured, dtype=np.int64)])
+        if not packed.size:  # rows whose steering was refused, nothing captured
+            return
+        on_device = self.staging.to_device(packed)
+        at = 0
+        for group in self._groups:
+            size = sum(row.end - row.start for row in group.rows)
+            group.index, at = on_device[at : at + size], at + size
+        if captured:
+            self._captures = on_device[at:]
 
     def _resolve(self, row: _SteerRow, steer: SteerSpec) -> None:
         """Attach the request's vector; a bad spec is recorded for that request alone."""
@@ -121,32 +173,36 @@ class _Steering:
     def on_layer(self, layer: int, output: Any) -> Any:
         """The hook body: capture, then steer; returns the replaced pair or None (unchanged)."""
         hidden, residual = output
-        rows = self._rows
-        if layer in self.capture_layers:
-            for row in rows:
-                if row.capture_row is not None:
-                    stream = hidden[row.capture_row] + (
-                        0 if residual is None else residual[row.capture_row]
-                    )
-                    self.report(row.key)["residuals"][layer] = stream.float().cpu()
-        steered = [
-            (row, row.vector)
-            for row in rows
-            if row.vector is not None and row.vector.layer == layer
-        ]
+        if layer in self.capture_layers and self._captures is not None:
+            streams = hidden.index_select(0, self._captures)
+            if residual is not None:
+                streams = streams + residual.index_select(0, self._captures)
+            # calibration only (building vectors): one copy to the host for the step's rows
+            captured = [row for row in self._rows if row.capture_row is not None]
+            for row, stream in zip(captured, streams.float().cpu(), strict=True):
+                self.report(row.key)["residuals"][layer] = stream
+        steered = [group for group in self._groups if group.vector.layer == layer]
         if not steered:
             return None
         deltas, index = [], []
-        for row, vec in steered:
-            rows_index = torch.arange(row.start, row.end, device=hidden.device)
-            stream = hidden.index_select(0, rows_index)
+        for group in steered:
+            assert group.index is not None
+            stream = hidden.index_select(0, group.index)
             if residual is not None:
-                stream = stream + residual.index_select(0, rows_index)
-            delta = steering_delta(stream, vec.direction, row.method, row.coefficient, vec.avg_proj)
-            deltas.append(delta)
-            index.append(rows_index)
-            self.report(row.key)["tokens"] += row.end - row.start
-        hidden = hidden.index_add(0, torch.cat(index), torch.cat(deltas).to(hidden.dtype))
+                stream = stream + residual.index_select(0, group.index)
+            deltas.append(
+                steering_delta(
+                    stream, group.vector.direction, group.method, group.coefficient,
+                    group.vector.avg_proj,
+                )
+            )  # fmt: skip
+            index.append(group.index)
+            for row in group.rows:
+                self.report(row.key)["tokens"] += row.end - row.start
+        if len(steered) > 1:
+            hidden = hidden.index_add(0, torch.cat(index), torch.cat(deltas).to(hidden.dtype))
+        else:
+            hidden = hidden.index_add(0, index[0], deltas[0].to(hidden.dtype))
         return hidden, residual
 
     def fail_step(self, layer: int, exc: Exception) -> None:
@@ -178,7 +234,7 @@ class SteeringHooks:
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.state = _Steering()
+        self.state = _Steering(runner.device)
 
     def _decoder_layers(self) -> Any:
         layers = decoder_layers(self.runner)

@@ -74,6 +74,28 @@ def test_removing_steering_restores_the_baseline_exactly(tiny_engine):
         tiny_engine.generate(REQUESTS[:1], steering=vector.name)
 
 
+def test_requests_steered_alike_in_one_step_equal_each_steered_alone(tiny_engine):
+    """One group (the same vector for every request, one of them in chunked prefill) steered
+    with one gather and one ``index_add`` per layer: each request's tokens and log-probabilities
+    equal its own run steered alone, and each report counts its own tokens."""
+    vector = random_vector(tiny_engine, "alike", "adjust_rs", 1.0)
+    with tiny_engine.steering_vector(vector):
+        together = _run(tiny_engine, steering=vector.name)
+        alone = []
+        for request in REQUESTS:
+            tiny_engine.llm.reset_prefix_cache()
+            params = tiny_engine.sampling(max_tokens=6, ignore_eos=True, logprobs=3)
+            alone.append(tiny_engine.generate([request], params, steering=vector.name)[0])
+    for batched, single in zip(together, alone, strict=True):
+        assert batched.token_ids == single.token_ids
+        assert batched.logprobs is not None and single.logprobs is not None
+        for a, b in zip(batched.logprobs, single.logprobs, strict=True):
+            assert a[0].token_id == b[0].token_id  # the generated token comes first
+            assert a[0].logprob == pytest.approx(b[0].logprob, abs=1e-4)
+        steered = len(batched.prompt.token_ids) + len(batched.token_ids) - 1
+        assert batched.steering.tokens_steered == single.steering.tokens_steered == steered
+
+
 def _hf_steered_logprobs(model_dir: Path, token_ids: list[int], vector: SteeringVector, method):
     """Log-probabilities of the next token at every position, from HF with the same steering
     applied to the output of decoder layer LAYER (HF returns the full residual stream)."""

@@ -15,7 +15,8 @@ from guardrail.policies.files import (
 )
 
 from guardrail.errors import ConfigError
-from guardrail.policy import Action, PromptInjectionPolicy, Reading, decide
+from guardrail.policy import Action, ModelThresholds, PromptInjectionPolicy, Reading, decide
+from guardrail.probe.config import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,5 +105,10 @@ def test_guardrail_serve_refuses_a_bad_policies_file_before_starting(tmp_path: P
 def test_the_example_in_docs_serving_loads() -> None:
     text = (ROOT / "docs" / "serving.md").read_text()
     block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
-    sets = load_policy_text(block, 0.5, yaml=True)
-    assert set(sets.overrides) == {"untrusted_tenant"} and len(sets.default) == 3
+    # served: SmolLM2, whose calibrated config records the operating point a set names
+    config = load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct", "combined")
+    thresholds = ModelThresholds.of(config)
+    sets = load_policy_text(block, thresholds, yaml=True)
+    assert set(sets.overrides) == {"untrusted_tenant", "documents"} and len(sets.default) == 3
+    looser = sets.overrides["documents"][0]
+    assert looser.effective_threshold(thresholds) == config.threshold_at(0.02)

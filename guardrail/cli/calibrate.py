@@ -42,6 +42,7 @@ from guardrail.offline.source_report import (
     source_of,
     sources_markdown,
 )
+from guardrail.offline.transfer import OPERATING_RATES
 from guardrail.probe.config import Calibration, ModelProbeConfig, read_model_config
 from guardrail.probe.scoring import HeadKey
 
@@ -289,6 +290,9 @@ def combined_probe(
     threshold, per_source = worst_source_threshold(fit.oof_focus, labels, sources, fpr)
     values = {f"worst-source fpr@{fpr:g}": recorded_threshold(threshold)}
     values.update({f"{name} fpr@{fpr:g}": recorded_threshold(v) for name, v in per_source.items()})
+    for rate in sorted(set(OPERATING_RATES) - {fpr}):  # the other operating points
+        point, _ = worst_source_threshold(fit.oof_focus, labels, sources, rate)
+        values[f"worst-source fpr@{rate:g}"] = recorded_threshold(point)
     return {
         **fit.probe_fields(),
         "threshold": recorded_threshold(threshold),

@@ -113,9 +113,9 @@ def _measure(
             groups=[p.group for p in pairs],
         ),
         "operating_points": {
-            name: _operating_point(focus[name], labels, c.threshold)
-            for name, c in configs.items()
-            if c.threshold is not None
+            label: _operating_point(focus[name], labels, threshold)
+            for name, config in configs.items()
+            for label, threshold in _points(name, config)
         },
         "layer_sweep": [
             {
@@ -177,6 +177,16 @@ def run(args: argparse.Namespace, engine: Any) -> int:
         f"{first['auroc']}, TPR@1%FPR {first['tpr@1%fpr']} on {len(pairs)} rows"
     )
     return 0
+
+
+def _points(name: str, config: ModelProbeConfig) -> list[tuple[str, float]]:
+    """The thresholds a config is measured at: its own, then each operating point it records
+    (``PromptInjectionPolicy(target_fpr=...)``)."""
+    own = [] if config.threshold is None else [(name, config.threshold)]
+    return own + [
+        (f"{name}, target_fpr {rate:g}", threshold)
+        for rate, threshold in config.operating_points.items()
+    ]
 
 
 def _operating_point(

@@ -433,7 +433,7 @@ def _thresholds(
     focus: np.ndarray, labels: np.ndarray, settings: CalibrationSettings
 ) -> tuple[float, dict[str, float]]:
     values = {"midpoint": midpoint_threshold(focus, labels)}
-    for fpr in sorted({settings.target_fpr, 0.01, 0.05}):
+    for fpr in sorted({settings.target_fpr, 0.01, 0.02, 0.05}):  # the operating points
         values[f"fpr@{fpr:g}"] = threshold_at_fpr(focus, labels, fpr)
     values = {k: recorded_threshold(v) for k, v in values.items()}
     key = "midpoint" if settings.threshold_rule == "midpoint" else f"fpr@{settings.target_fpr:g}"
@@ -595,7 +595,8 @@ def retarget_threshold(
 
     The probe (heads, weights) is kept; the threshold becomes the one that flags at most
     ``target_fpr`` of ``clean_focus`` (the focus of clean requests, scored with this config).
-    Thresholds at 1 % and 5 % are recorded too, under ``traffic fpr@...``, with the rows'
+    Thresholds at 1 %, 2 % and 5 % are recorded too, under ``traffic fpr@...`` (the config's
+    operating points from then on), with the rows'
     description and hash in the notes, so the file says where its operating point came from.
     ``max_data_tokens`` (the longest data of these rows) raises the config's recorded
     ``calibration.max_data_tokens`` when longer: the operating point now rests on them too.
@@ -614,7 +615,7 @@ def retarget_threshold(
     labels = np.zeros(len(clean_focus), dtype=int)
     values = {
         f"traffic fpr@{fpr:g}": recorded_threshold(threshold_at_fpr(clean_focus, labels, fpr))
-        for fpr in sorted({target_fpr, 0.01, 0.05})
+        for fpr in sorted({target_fpr, 0.01, 0.02, 0.05})
     }
     threshold = values[f"traffic fpr@{target_fpr:g}"]
     calibration = config.calibration or Calibration(dataset="", num_examples=0, sha256="")

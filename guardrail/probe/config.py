@@ -173,8 +173,8 @@ def missing_rate(points: Mapping[float, float], rate: float) -> str:
     have = ", ".join(f"{r:g}" for r in points) or "none"
     return (
         f"records no threshold at rate {rate:g} (recorded: {have}); `guardrail calibrate` "
-        "records the rates 0.01, 0.02 and 0.05, and `guardrail threshold --target-fpr RATE` "
-        "sets one on your own clean traffic"
+        "records the rates 0.01, 0.02 and 0.05 (and --target-fpr), and `guardrail threshold "
+        "--target-fpr RATE` sets one on your own clean traffic"
     )
 
 
@@ -301,7 +301,9 @@ class ModelProbeConfig(ConfigModel):
         threshold``), those flagging at most ``rate`` of that traffic
         (``calibration.thresholds["traffic fpr@<rate>"]``); else those flagging at most
         ``rate`` of the clean rows of every calibration source (``"worst-source
-        fpr@<rate>"``, as ``guardrail calibrate`` writes them). Empty without either.
+        fpr@<rate>"``, as ``guardrail calibrate`` writes them), or of all its clean rows
+        (``"fpr@<rate>"``: ``guardrail calibrate --data`` of an attention probe). Empty
+        without any.
 
         Example:
             >>> c = ModelProbeConfig(model_id="m", heads=[(0, 0)], threshold=0.05,
@@ -311,7 +313,7 @@ class ModelProbeConfig(ConfigModel):
             {0.01: 0.05, 0.02: 0.14}
         """
         thresholds = self.calibration.thresholds if self.calibration is not None else {}
-        for prefix in ("traffic fpr@", "worst-source fpr@"):
+        for prefix in ("traffic fpr@", "worst-source fpr@", "fpr@"):
             points = {}
             for key, value in thresholds.items():
                 if key.startswith(prefix):

@@ -115,7 +115,8 @@ def test_calibrate_then_evaluate_on_the_tiny_model(tiny_engine, tiny_llama_dir, 
     assert config.calibration is not None
     assert config.calibration.num_examples == len(rows) == 18
     assert config.calibration.sha256 == pairs_sha256(rows)
-    assert {"midpoint", "fpr@0.01", "fpr@0.05"} <= set(config.calibration.thresholds)
+    assert {"midpoint", "fpr@0.01", "fpr@0.02", "fpr@0.05"} <= set(config.calibration.thresholds)
+    assert sorted(config.operating_points) == [0.01, 0.02, 0.05]
     data_tokens = [
         sum(b - a for a, b in tiny_engine.prepare((r.instruction, r.data)).data_spans) for r in rows
     ]
@@ -158,6 +159,14 @@ def test_calibrate_then_evaluate_on_the_tiny_model(tiny_engine, tiny_llama_dir, 
     assert result["detectors"][name]["overall"]["auroc"] == pytest.approx(
         auroc([p.label for p in pairs], risk), abs=1e-4
     )
+    # measured at its own threshold and at each operating point it records, on these rows
+    labels = np.array([p.label for p in pairs])
+    for rate, threshold in config.operating_points.items():
+        point = result["operating_points"][f"{name}, target_fpr {rate:g}"]
+        flagged = 1 - np.array(risk) <= threshold
+        assert point["threshold"] == threshold
+        assert point["fpr"] == round(float(flagged[labels == 0].mean()), 4)
+        assert point["tpr"] == round(float(flagged[labels == 1].mean()), 4)
 
 
 @pytest.mark.timeout(900)

@@ -224,7 +224,7 @@ def test_calibrate_probes_returns_valid_configs_and_thresholds():
             feature=probe.get("feature", "focus"),
             threshold=probe["threshold"],
         )
-        assert set(probe["thresholds"]) == {"midpoint", "fpr@0.01", "fpr@0.05"}
+        assert set(probe["thresholds"]) == {"midpoint", "fpr@0.01", "fpr@0.02", "fpr@0.05"}
         assert config.threshold == pytest.approx(probe["thresholds"]["fpr@0.05"])
         assert config.layers and len(config.layers) <= LAYERS
 

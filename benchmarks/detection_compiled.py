@@ -8,7 +8,11 @@ with the shipped ``combined`` config, one after the other, and reports per set a
 AUROC, the clean rows flagged and the injections caught at the config's threshold, and the
 largest focus difference between the modes, row by row. No fit happens here. ``--sweep T ...``
 adds the clean rows flagged and injections caught at other thresholds (an operating-point
-table); the JSON keeps every row's focus by id, so other thresholds need no second serve.
+table); the JSON keeps every row's focus by id, so other thresholds need no second serve:
+``--rescore RESULT.json`` measures that file's focus instead of serving (same rows, same
+config). The sweep always includes the config's recorded operating points
+(``ModelProbeConfig.operating_points``: the thresholds ``PromptInjectionPolicy(target_fpr=...)``
+applies).
 
     python benchmarks/detection_compiled.py [--bipia-dir ../shared/data/bipia] [--limit N]
 
@@ -39,6 +43,19 @@ from guardrail.probe.config import load_model_config, read_model_config
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("eager", "compiled")
 BATCH = 32
+
+
+def rescored(path: Path, mode: str, rows: list[Any]) -> tuple[np.ndarray, list[str | None], float]:
+    """:func:`serve`'s result for ``rows`` from a result file of this script (its focus by row
+    id; a row it did not score is NaN with the error "not scored"), with the seconds it took."""
+    held = json.loads(path.read_text())
+    by_id = held["focus"][mode]
+    missing = [p.id for p in rows if p.id not in by_id]
+    if missing:
+        raise SystemExit(f"{path} has no {mode} focus for {len(missing)} rows, e.g. {missing[0]}")
+    focus = np.array([np.nan if by_id[p.id] is None else by_id[p.id] for p in rows], dtype=float)
+    errors = [None if np.isfinite(f) else "not scored" for f in focus]
+    return focus, errors, float(held["seconds"][mode])
 
 
 def serve(mode: str, rows: list[Any], config: Any) -> tuple[np.ndarray, list[str | None], float]:
@@ -95,6 +112,11 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--stem", default="detection_compiled_smollm2", help="result file stem")
     parser.add_argument(
+        "--rescore",
+        type=Path,
+        help="a result file of this script: measure its rows' focus instead of serving them",
+    )
+    parser.add_argument(
         "--sweep", type=float, nargs="*", default=[], help="more thresholds to report"
     )
     args = parser.parse_args()
@@ -121,7 +143,12 @@ def main() -> None:
         rows = limited
     sets = sorted({p.extra["corpus"] for p in rows})
     labels = np.array([p.label for p in rows])
-    served = {mode: serve(mode, rows, config) for mode in modes}
+    args.sweep = sorted({*config.operating_points.values(), *args.sweep})
+    served = (
+        {mode: rescored(args.rescore, mode, rows) for mode in modes}
+        if args.rescore
+        else {mode: serve(mode, rows, config) for mode in modes}
+    )
     focus = {mode: served[mode][0] for mode in modes}
     first, last = focus[modes[0]], focus[modes[-1]]  # one mode: no difference to report
     both = np.isfinite(first) & np.isfinite(last)

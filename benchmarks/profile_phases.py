@@ -14,7 +14,7 @@ CUDA-graph state is global), once with the prompts' token ids and once with thei
 ``--variants`` runs every case under several caller settings, to separate their effects:
 ``default``; ``unarmed`` (no ``stop_below``: the stop logits processor has nothing to do);
 ``one-chunk`` (every request rendered before any is enqueued, instead of a group of
-``RENDER_GROUP`` at a time);
+``HookedLLM.render_group`` at a time);
 ``tok-serial`` / ``tok-parallel`` (``TOKENIZERS_PARALLELISM`` false / true for the caller's
 batch tokenizing). On a GPU the worker's host times are launch overhead unless a phase
 synchronises with the device; with ``--sync-debug`` one guarded call runs under
@@ -163,9 +163,9 @@ def plain_once(llm: Any, prompts: list[Any]) -> float:
 
 def variant_settings(variant: str) -> tuple[bool, int, str | None]:
     """(stop armed, render group size, TOKENIZERS_PARALLELISM) for a variant."""
-    from guardrail.engine import hooked
+    from guardrail.engine import HookedLLM
 
-    group = 1 << 30 if variant == "one-chunk" else hooked.RENDER_GROUP
+    group = 1 << 30 if variant == "one-chunk" else HookedLLM.render_group
     parallel = {"tok-serial": "false", "tok-parallel": "true"}.get(variant)
     return variant != "unarmed", group, parallel
 
@@ -205,7 +205,7 @@ def main() -> None:
     import torch
     from vllm.inputs import TextPrompt, TokensPrompt
 
-    from guardrail.engine import HookedLLM, hooked
+    from guardrail.engine import HookedLLM
     from guardrail.probe.prompts import prepare_prompt
     from guardrail.testing.dummy_models import build_dummy_model, dummy_probe_config
     from guardrail.testing.timing import requests_of
@@ -230,10 +230,9 @@ def main() -> None:
     tokenizer = plain.get_tokenizer()
     plain.collective_rpc(install_worker_timers)
     instrument_caller(guarded)
-    default_group = hooked.RENDER_GROUP
     rows: list[dict[str, Any]] = []
     for variant in args.variants:
-        armed, hooked.RENDER_GROUP, parallel = variant_settings(variant)
+        armed, guarded.render_group, parallel = variant_settings(variant)
         saved = os.environ.get("TOKENIZERS_PARALLELISM")
         if parallel is not None:
             os.environ["TOKENIZERS_PARALLELISM"] = parallel
@@ -291,7 +290,6 @@ def main() -> None:
             rows.append(row)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(rows, indent=1) + "\n")
-        hooked.RENDER_GROUP = default_group
         if args.torch_profile:
             for batch, length in cases:
                 reqs = requests_of(length, batch, 99_991 + batch, tokenizer)

@@ -105,6 +105,11 @@ class HookedLLM(HookedBase):
     interpreter exit), and leaves no engine process or shared memory behind.
     """
 
+    render_group: int = 8
+    """``generate`` renders and enqueues its requests this many at a time (one batched
+    tokenizer call each): the engine starts on the first group while the rest are rendered.
+    An instance may set its own (``benchmarks/profile_phases.py`` compares)."""
+
     def __init__(
         self,
         model: str | Path | None = None,
@@ -276,7 +281,7 @@ class HookedLLM(HookedBase):
             # Rendered and enqueued a group at a time: the engine starts on the first group
             # while the rest are rendered and tokenized (as vLLM's own generate does with text).
             # Measured on the H200 against larger chunks (docs/gpu.md): starting early wins.
-            for group in _groups(len(requests), RENDER_GROUP):
+            for group in _groups(len(requests), self.render_group):
                 prompts, group_params = self._group(
                     requests, group, args, steer, outputs, batch, positions
                 )
@@ -473,11 +478,6 @@ class _Batch:
     tag: str  # sent with every request's probe spec: its pushed result comes back with it
     sent: list[tuple[int, PreparedPrompt, str]] = field(default_factory=list)
     steered: dict[str, ResolvedSteering] = field(default_factory=dict)
-
-
-RENDER_GROUP = 8
-"""``generate`` renders and enqueues its requests this many at a time (one batched tokenizer
-call each)."""
 
 
 def _groups(n: int, size: int) -> Iterator[range]:

@@ -177,8 +177,6 @@ def test_generate_enqueues_each_render_group_as_it_is_rendered(tiny_engine):
     """Requests reach the engine a render group at a time, each group as soon as it is
     rendered (the engine starts on the first while the rest render); a bad request in the
     middle fails alone and order is kept."""
-    from guardrail.engine.hooked import RENDER_GROUP
-
     llm = tiny_engine.llm
     batch: list[object] = [("Translate to French.", f"Good morning, table {i}.") for i in range(30)]
     batch.insert(5, "")  # refused: never enqueued
@@ -207,7 +205,7 @@ def test_generate_enqueues_each_render_group_as_it_is_rendered(tiny_engine):
     good = [o for o in outs if o.index != 5]
     assert all(o.error is None and o.probe.error is None for o in good)
     assert [n for s in sizes for n in s] == lengths  # every good request once, in order
-    assert RENDER_GROUP == 8 and [len(s) for s in sizes] == [7, 8, 8, 7]  # "" is in the first
+    assert tiny_engine.render_group == 8 and [len(s) for s in sizes] == [7, 8, 8, 7]  # "" first
     assert rendered_before == [8, 16, 24, 31]
 
 

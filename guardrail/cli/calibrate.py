@@ -33,7 +33,11 @@ from guardrail.offline.calibration import (
     calibrate_probes,
     recorded_threshold,
 )
-from guardrail.offline.combined import fit_combined, worst_source_threshold
+from guardrail.offline.combined import (
+    fit_combined,
+    worst_source_threshold,
+    worst_source_thresholds,
+)
 from guardrail.offline.datasets import LabelledPair, ScoreTable, pairs_sha256
 from guardrail.offline.row_scores import scores_for
 from guardrail.offline.source_report import (
@@ -42,7 +46,6 @@ from guardrail.offline.source_report import (
     source_of,
     sources_markdown,
 )
-from guardrail.offline.transfer import OPERATING_RATES
 from guardrail.probe.config import Calibration, ModelProbeConfig, read_model_config
 from guardrail.probe.scoring import HeadKey
 
@@ -290,9 +293,8 @@ def combined_probe(
     threshold, per_source = worst_source_threshold(fit.oof_focus, labels, sources, fpr)
     values = {f"worst-source fpr@{fpr:g}": recorded_threshold(threshold)}
     values.update({f"{name} fpr@{fpr:g}": recorded_threshold(v) for name, v in per_source.items()})
-    for rate in sorted(set(OPERATING_RATES) - {fpr}):  # the other operating points
-        point, _ = worst_source_threshold(fit.oof_focus, labels, sources, rate)
-        values[f"worst-source fpr@{rate:g}"] = recorded_threshold(point)
+    points = worst_source_thresholds(fit.oof_focus, labels, sources)  # the operating points
+    values.update({f"worst-source fpr@{r:g}": recorded_threshold(t) for r, t in points.items()})
     return {
         **fit.probe_fields(),
         "threshold": recorded_threshold(threshold),

@@ -42,6 +42,7 @@ from guardrail.probe.scoring import FEATURES_PER_HEAD, FeatureKind, HeadKey, foc
 __all__ = [
     "C_GRID",
     "N_CANDIDATES",
+    "OPERATING_RATES",
     "LayerStep",
     "LogisticFit",
     "SelectionChoice",
@@ -168,6 +169,13 @@ def threshold_at_fpr(focus: np.ndarray, labels: np.ndarray, fpr: float) -> float
     upper = benign[k]
     threshold = (benign[k - 1] + upper) / 2 if k >= 1 else np.nextafter(upper, -np.inf)
     return float(np.clip(threshold, 0.0, 1.0))
+
+
+OPERATING_RATES: tuple[float, ...] = (0.01, 0.02, 0.05)
+"""The operating points every calibration records besides its own rate: the thresholds that
+flag at most this share of the clean rows (of every calibration source, of all of them, or of
+one's own traffic, by writer), which ``ModelProbeConfig.threshold_at`` and
+``PromptInjectionPolicy(target_fpr=...)`` read."""
 
 
 def recorded_threshold(threshold: float) -> float:
@@ -433,7 +441,7 @@ def _thresholds(
     focus: np.ndarray, labels: np.ndarray, settings: CalibrationSettings
 ) -> tuple[float, dict[str, float]]:
     values = {"midpoint": midpoint_threshold(focus, labels)}
-    for fpr in sorted({settings.target_fpr, 0.01, 0.02, 0.05}):  # the operating points
+    for fpr in sorted({settings.target_fpr, *OPERATING_RATES}):
         values[f"fpr@{fpr:g}"] = threshold_at_fpr(focus, labels, fpr)
     values = {k: recorded_threshold(v) for k, v in values.items()}
     key = "midpoint" if settings.threshold_rule == "midpoint" else f"fpr@{settings.target_fpr:g}"
@@ -615,7 +623,7 @@ def retarget_threshold(
     labels = np.zeros(len(clean_focus), dtype=int)
     values = {
         f"traffic fpr@{fpr:g}": recorded_threshold(threshold_at_fpr(clean_focus, labels, fpr))
-        for fpr in sorted({target_fpr, 0.01, 0.02, 0.05})
+        for fpr in sorted({target_fpr, *OPERATING_RATES})
     }
     threshold = values[f"traffic fpr@{target_fpr:g}"]
     calibration = config.calibration or Calibration(dataset="", num_examples=0, sha256="")

@@ -37,7 +37,12 @@ from typing import Any
 import numpy as np
 
 from guardrail.errors import ConfigError
-from guardrail.offline.calibration import group_folds, standardised_l1_fit, threshold_at_fpr
+from guardrail.offline.calibration import (
+    OPERATING_RATES,
+    group_folds,
+    standardised_l1_fit,
+    threshold_at_fpr,
+)
 from guardrail.offline.evaluation import auroc
 from guardrail.offline.token_readout import TokenColumn
 from guardrail.probe.config import HiddenLayerProbe, HiddenPosition
@@ -51,6 +56,7 @@ __all__ = [
     "fit_combined",
     "focus_from_logit",
     "worst_source_threshold",
+    "worst_source_thresholds",
 ]
 
 COMBINED_C_GRID: tuple[float, ...] = (0.003, 0.01, 0.03, 0.1, 0.3)
@@ -324,3 +330,20 @@ def worst_source_threshold(
         clean = labels == 0
         return float(threshold_at_fpr(focus[clean], labels[clean], fpr)), per
     return min(per.values()), per
+
+
+def worst_source_thresholds(
+    focus: np.ndarray,
+    labels: np.ndarray,
+    sources: Sequence[str],
+    rates: Sequence[float] = OPERATING_RATES,
+) -> dict[float, float]:
+    """:func:`worst_source_threshold` at each of ``rates``: a calibration's operating points.
+
+    Example:
+        >>> f = np.linspace(0.2, 1, 200)
+        >>> points = worst_source_thresholds(f, np.zeros(200, int), ["a"] * 200)
+        >>> sorted(points) == [0.01, 0.02, 0.05] and points[0.01] < points[0.05]
+        True
+    """
+    return {rate: worst_source_threshold(focus, labels, sources, rate)[0] for rate in rates}

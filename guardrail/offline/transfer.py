@@ -34,6 +34,7 @@ from guardrail.offline.combined import (
     combined_focus,
     fit_combined,
     worst_source_threshold,
+    worst_source_thresholds,
 )
 from guardrail.offline.datasets import LabelledPair, ScoreTable
 from guardrail.offline.evaluation import auroc, tpr_at_fpr
@@ -42,7 +43,6 @@ from guardrail.probe.scoring import FeatureKind, HeadKey, head_features
 
 __all__ = [
     "LINKED_SOURCES",
-    "OPERATING_RATES",
     "FitKind",
     "LeftOut",
     "Measured",
@@ -64,12 +64,6 @@ FitKind = Literal["attention", "hidden", "combined"]
 
 LINKED_SOURCES: Mapping[str, str] = {"bipia": "bipia_everyday", "bipia_everyday": "bipia"}
 """Sources made from the same contexts: leaving one out leaves the other out too."""
-
-OPERATING_RATES: tuple[float, ...] = (0.01, 0.02, 0.05)
-"""The operating points a calibration records besides its own: the threshold that flags at
-most this share of the clean rows of every calibration source (out-of-fold focus), written
-into the config (``calibration.thresholds["worst-source fpr@<rate>"]``,
-:meth:`~guardrail.probe.config.ModelProbeConfig.threshold_at`) and measured in the report."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +163,7 @@ class ProbeFit:
     data_mean_layers: tuple[int, ...]
     rows: int
     data_top: dict[int, TokenColumn] = field(default_factory=dict)  # its rows' pooled logits
-    # the worst-source threshold at each rate of ``OPERATING_RATES`` (out-of-fold focus)
+    # the worst-source threshold at each of ``OPERATING_RATES`` (calibration.py; out of fold)
     operating: dict[float, float] = field(default_factory=dict)
 
 
@@ -222,10 +216,7 @@ def fit_probe(
     threshold, per_source = worst_source_threshold(
         fit.oof_focus, labels, sources, recipe.target_fpr
     )
-    operating = {
-        rate: worst_source_threshold(fit.oof_focus, labels, sources, rate)[0]
-        for rate in OPERATING_RATES
-    }
+    operating = worst_source_thresholds(fit.oof_focus, labels, sources)
     tops = {layer: c for layer, c in (data_top or {}).items() if layer in fit.top_columns}
     return ProbeFit(
         kind, fit, threshold, per_source, attention, last, means, len(index), tops, operating

@@ -90,6 +90,7 @@ class Readout:
     dims: torch.Tensor
     coef: torch.Tensor
     offset: torch.Tensor
+    whole: bool = False  # dims are 0 .. n-1: the whole stream where it is n wide (token read-out)
 
     @classmethod
     def of(cls, part: HiddenLayerProbe, device: Any) -> Readout:
@@ -100,10 +101,15 @@ class Readout:
             torch.tensor(part.dims, dtype=torch.long, device=device),
             (weights / scale).float().to(device),
             (weights * mean / scale).sum().float().to(device),
+            whole=list(part.dims) == list(range(len(part.dims))),
         )
 
     def project(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """``x[dims] @ coef`` for each row of the stream ``hidden (+ residual)``."""
+        """``x[dims] @ coef`` for each row of the stream ``hidden (+ residual)``. A read-out of
+        the whole stream uses it as it is: the same values as through the gather (the sum is
+        elementwise), without two copies of the step's streams (every token, every step)."""
+        if self.whole and hidden.shape[1] == self.dims.shape[0]:
+            return _whole_stream(hidden, residual) @ self.coef
         x = hidden.index_select(1, self.dims)
         if residual is not None:
             x = x + residual.index_select(1, self.dims)

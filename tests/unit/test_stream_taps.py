@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.forward_context import override_forward_context
 
 from guardrail.engine import install
@@ -425,3 +426,49 @@ def test_a_token_model_over_two_layers_sums_their_values_per_token_before_the_to
     with pytest.raises(ValueError, match=r"reads layers \[1, 3\] together.*holds only \[3\]"):
         _join_token_model([first, second], [3], [HiddenReader(3, data=[two])])
     _join_token_model([first, second], [0, 2], [])  # a pipeline stage holding neither: nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_whole_stream_read_out_projects_the_values_the_gather_gives(dtype: torch.dtype) -> None:
+    """A read-out of every coordinate in order (the token read-out's) uses the stream as it
+    is, with no gather: bit for bit the values of ``x[dims]`` taken one coordinate at a time,
+    with and without the residual; the first coordinates only, or all of them reordered, are
+    gathered."""
+    generator = torch.Generator().manual_seed(0)
+    hidden, residual = (torch.randn(37, 24, generator=generator).to(dtype) for _ in range(2))
+    rng = np.random.default_rng(0)
+
+    def part(dims: list[int]) -> HiddenLayerProbe:
+        n = len(dims)
+        return HiddenLayerProbe(
+            layer=0,
+            dims=dims,
+            mean=rng.normal(size=n).tolist(),
+            scale=rng.uniform(0.5, 2.0, size=n).tolist(),
+            weights=rng.normal(size=n).tolist(),
+            position="data_top",
+            top_k=3,
+        )
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, a: Any = (), kw: Any = None) -> Any:
+            self.names.append(func.overloadpacket.__name__)
+            return func(*a, **(kw or {}))
+
+    whole = Readout.of(part(list(range(24))), "cpu")
+    for res in (residual, None):
+        x = hidden if res is None else hidden + res  # the reference: one coordinate at a time
+        columns = [x[:, d].float() for d in range(24)]
+        reference = torch.stack(columns, dim=1) @ whole.coef
+        with Ops() as ops:
+            got = whole.project(hidden, res)
+        assert torch.equal(got, reference)
+        assert "index_select" not in ops.names
+    for dims in (list(range(12)), [1, 0, *range(2, 24)]):
+        readout = Readout.of(part(dims), "cpu")
+        x = (hidden + residual)[:, dims].float()
+        assert torch.equal(readout.project(hidden, residual), x @ readout.coef)

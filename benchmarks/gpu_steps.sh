@@ -29,6 +29,9 @@
 # tokenfit: the time of one token model of calibrate's token read-out on the GPU: one 1B layer
 # (2,048) and three layers of the 1B and 8B shapes (6,144, 12,288; benchmarks/token_fit_speed.py);
 # then the 84 models of a calibration fitted together on labels at random, 3 one at a time beside.
+# GUARDRAIL_COMMIT: the commit the bundle was built from, recorded in every result file (the
+# bundle carries the tracked files, no git and no COMMIT file: pass it in each call's command,
+# e.g. `GUARDRAIL_COMMIT=$(git rev-parse --short HEAD)` written out here; else "unknown").
 set -uo pipefail
 step=${1:?usage: gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|layouts1b|layouts8b|profile|ab|serve|calibrate1b|calibrate8b|calibrate-start|calibrate-wait|tokenfit}
 out=${OUT:-$PWD/gpu-out}

@@ -21,6 +21,8 @@
 # calibrate-start / calibrate-wait: the same for both shapes (CALIBRATE_SHAPES, default "8b 1b")
 # end to end in a background process session that outlives each call; calibrate-wait follows it
 # (WAIT_S, default 560 s) and brings its logs, times and configs back.
+# profile: host ms by phase, 1B compiled, the attention probe (with torch.profiler) and the
+# combined one (its read-outs' memo writes and reads), about 2 minutes.
 # PROBE_LAYOUT (default shipped): the dummy probe of the bench, hidden, eager, profile, ab and
 # serve steps: laid out as the shipped config of its kind, or `stress` (128 heads on 16 layers,
 # what every table before 2026-12-05's seventh session measured); `layouts1b`: compiled, both
@@ -78,7 +80,10 @@ case $step in
     --probe-layouts $both --plain-text --lengths 512 2048 --batches 64 1 --max-tokens 1 \
     --repeats 5 --out "$out/gpu_layouts_$shape.json" 2>&1 | grep "^{" ;;
   profile) python3 benchmarks/profile_phases.py --probe-layout "$layout" --shape 1b --cases 1x512 64x512 --rounds 5 \
-    --torch-profile --out "$out/phases.json" 2>&1 | quiet | tail -80 ;;
+    --torch-profile --out "$out/phases.json" 2>&1 | quiet | tail -80
+    # the combined kind's phases too: its read-outs' memo writes and reads, the end of step's parts
+    python3 benchmarks/profile_phases.py --probe-layout "$layout" --kind combined --shape 1b \
+      --cases 1x512 64x512 --rounds 5 --out "$out/phases_combined.json" 2>&1 | quiet | tail -60 ;;
   ab) python3 benchmarks/profile_phases.py --probe-layout "$layout" --shape 1b --cases 1x512 16x512 64x512 --rounds 5 \
     --variants default one-chunk --out "$out/phases_ab.json" 2>&1 | quiet | tail -30 ;;
   serve) python3 benchmarks/load_serving.py --model dummy-1b --device gpu --rounds 1 \

@@ -2,11 +2,13 @@
 
 One engine on a dummy-weight Llama shape, the guard's entry points wrapped with timers: caller
 side (render and tokenize, enqueue, wait, result pop, result assembly) and worker side (step
-plan, per-layer scoring, end of step, stop logits processor, pop; and vLLM's ``execute_model``,
-counted, so the number of engine steps per call shows). By default the engine runs as vLLM runs
-it for a user (engine core in its own process: the worker timers are installed there through
-``collective_rpc``); ``--in-process`` puts caller, engine core and worker in one process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where nothing overlaps and the phases add up.
+plan, per-layer scoring, end of step and its three parts, stop logits processor, pop, and with
+``--kind combined`` the hidden-state read-outs' memo writes and reads; and vLLM's
+``execute_model``, counted, so the number of engine steps per call shows). By default the
+engine runs as vLLM runs it for a user (engine core in its own process: the worker timers are
+installed there through ``collective_rpc``); ``--in-process`` puts caller, engine core and
+worker in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where nothing overlaps and the
+phases add up.
 
 "Plain" is the same engine fed requests without a probe spec (one engine per process: vLLM's
 CUDA-graph state is global), once with the prompts' token ids and once with their text.
@@ -80,6 +82,7 @@ def instrument_caller(engine: Any) -> None:
 def install_worker_timers(worker: Any) -> None:
     """Runs in the worker's process (sent by ``collective_rpc``): wrap the probe's entry points
     and vLLM's ``execute_model`` with timers kept on the worker object."""
+    from guardrail.worker import hidden as worker_hidden
     from guardrail.worker import probe as worker_probe
     from guardrail.worker.stop import ProbeStopLogitsProcessor
 
@@ -89,6 +92,15 @@ def install_worker_timers(worker: Any) -> None:
     timed(worker_probe.Probe, "plan", "worker: plan (every layer)", spent)
     timed(worker_probe.Probe, "score_layer", "worker: score_layer", spent)
     timed(worker_probe.Probe, "finish_step", "worker: finish_step", spent)
+    # its parts: the table (stats, terms, focus), the stop decision, the copy to the host
+    timed(worker_probe.Probe, "_device_table", "worker: finish_step: table and focus", spent)
+    timed(worker_probe.Probe, "_decide_stops", "worker: finish_step: stop decision", spent)
+    timed(worker_probe.Probe, "_to_host", "worker: finish_step: copy to host", spent)
+    # the hidden-state read-outs (combined kind): every token's memo values, every step (the
+    # worker's memos in a compiled engine, the probe's own in an eager one); the rows' terms
+    timed(worker_hidden.LayerMemos, "__call__", "worker: memo writes (compiled)", spent)
+    timed(worker_hidden.HiddenReader, "remember", "worker: memo writes (eager)", spent)
+    timed(worker_hidden.HiddenReader, "read", "worker: hidden read", spent)
     timed(worker_probe.Probe, "pop", "worker: pop", spent)
     timed(ProbeStopLogitsProcessor, "apply", "worker: stop processor", spent)
     timed(worker, "execute_model", "worker: execute_model (vLLM step)", spent)
@@ -177,8 +189,14 @@ def main() -> None:
         "--probe-layout",
         default="shipped",
         choices=["shipped", "stress"],
-        help="the probe: laid out as the shipped attention config, or 128 heads on 16 layers "
+        help="the probe: laid out as the shipped config of its kind, or 128 heads on 16 layers "
         "(guardrail.testing.dummy_models.dummy_probe_config)",
+    )
+    parser.add_argument(
+        "--kind",
+        default="attention",
+        choices=["attention", "combined"],
+        help="the probe's kind: attention-only, or with the hidden-state read-outs",
     )
     parser.add_argument("--cases", nargs="+", default=["1x512", "64x512"], help="BATCHxLENGTH")
     parser.add_argument("--rounds", type=int, default=7)
@@ -224,7 +242,7 @@ def main() -> None:
         "enforce_eager": args.eager,
         "seed": 0,
     }
-    config = dummy_probe_config(args.shape, "attention", args.probe_layout)
+    config = dummy_probe_config(args.shape, args.kind, args.probe_layout)
     guarded = HookedLLM(model, config, **engine_args)
     plain = guarded.llm
     tokenizer = plain.get_tokenizer()
@@ -277,6 +295,8 @@ def main() -> None:
                         phases[label.replace("worker:", "plain:")].append(seconds)
             row: dict[str, Any] = {
                 "variant": variant,
+                "kind": args.kind,
+                "layout": args.probe_layout,
                 "multiprocess": not args.in_process,
                 "batch": batch,
                 "prompt_tokens": len(prepared[0].token_ids),

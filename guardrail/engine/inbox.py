@@ -6,7 +6,10 @@ each step's results, by probe key and the ``tag`` of the call that sent the requ
 of an earlier call with the same key is never taken). The engines ask with
 ``ResultInbox.take`` (blocking, for ``HookedLLM``) or ``ResultInbox.future`` (asyncio, for
 ``AsyncHookedLLM``); a result that did not arrive in time is popped as before, and one the pop
-says is still on its way here (``in_transit``) is waited for up to ``IN_TRANSIT_WAIT_S``.
+says is still on its way here (``in_transit``) is waited for up to ``IN_TRANSIT_WAIT_S``. A
+result that arrived but was dropped untaken (more than ``MAX_STORED_RESULTS`` waiting) is
+remembered as dropped, so asking for it returns at once without it (it is then missing), never
+after those waits.
 
 The engines set it up after installing the probe (``push_args``, ``accepted``), and fall back
 to pops when the workers cannot reach the socket, e.g. an engine on another host.
@@ -90,6 +93,12 @@ class ResultInbox:
         self._decode = msgspec.msgpack.Decoder().decode
         self._changed = threading.Condition()
         self._arrived: OrderedDict[Key, ProbeResultData] = OrderedDict()
+        # results dropped untaken (the oldest, past MAX_STORED_RESULTS): asking for one returns
+        # at once, however often (a caller asks, pops, then asks again for what the pop says
+        # was sent); the record keeps the last 4 x MAX_STORED_RESULTS keys (one it forgot is
+        # waited for again)
+        self._dropped: OrderedDict[Key, None] = OrderedDict()
+        self._warned_dropping = False
         self._futures: dict[Key, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._hellos: set[str] = set()
         self.hello = uuid.uuid4().hex  # what the worker sends first, once it is connected
@@ -131,11 +140,12 @@ class ResultInbox:
     ) -> dict[str, ProbeResultData]:
         """The results of ``keys`` sent with ``tag``, waiting up to ``timeout`` seconds for all
         of them, or until ``stop()`` is true (checked every ``_POLL_MS``: a dead engine sends
-        nothing more); those that did not arrive are absent."""
+        nothing more); those that did not arrive, or arrived and were dropped untaken, are
+        absent (the dropped ones are not waited for)."""
         wanted = [(k, tag) for k in keys]
         deadline = time.monotonic() + timeout
         with self._changed:
-            while not all(w in self._arrived for w in wanted):
+            while not all(w in self._arrived or w in self._dropped for w in wanted):
                 left = deadline - time.monotonic()
                 if left <= 0 or (stop is not None and stop()):
                     break
@@ -165,12 +175,15 @@ class ResultInbox:
         with self._changed:
             self._futures.pop((key, tag), None)
             self._arrived.pop((key, tag), None)
+            self._dropped.pop((key, tag), None)
 
     def drop(self, tag: str) -> None:
         """Drop every result of the call ``tag`` (a failed call)."""
         with self._changed:
             for key in [k for k in self._arrived if k[1] == tag]:
                 del self._arrived[key]
+            for key in [k for k in self._dropped if k[1] == tag]:
+                del self._dropped[key]
 
     # -- receiving -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -204,10 +217,24 @@ class ResultInbox:
                     continue
                 self._arrived[(key, tag)] = result
                 while len(self._arrived) > MAX_STORED_RESULTS:  # never taken: oldest go
-                    self._arrived.popitem(last=False)
+                    self._drop_oldest()
             self._changed.notify_all()
         for (key, tag), (loop, future), result in resolved:
             loop.call_soon_threadsafe(self._settle, future, (key, tag), result)
+
+    def _drop_oldest(self) -> None:
+        """Drop the oldest untaken result, remembering that it came (under the lock)."""
+        dropped, _ = self._arrived.popitem(last=False)
+        if not self._warned_dropping:
+            self._warned_dropping = True
+            log.warning(
+                "guardrail: more than %d pushed probe results were never taken; the oldest are "
+                "dropped and their requests come back missing",
+                MAX_STORED_RESULTS,
+            )
+        self._dropped[dropped] = None
+        while len(self._dropped) > 4 * MAX_STORED_RESULTS:  # keys only: small
+            self._dropped.popitem(last=False)
 
     def _settle(self, future: asyncio.Future[Any], key: Key, result: ProbeResultData) -> None:
         """Give ``result`` to its future, or keep it for ``take`` if that future was given up

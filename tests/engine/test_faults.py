@@ -403,7 +403,11 @@ def test_results_evicted_from_a_full_store_are_missing_never_another_score(
     tiny_engine, monkeypatch, store
 ):
     """Pushed: the caller's inbox keeps at most so many results; popped (the push stopped, as
-    for a worker on another host): the worker's store does."""
+    for a worker on another host): the worker's store does. Either way an evicted result is
+    missing at once: the inbox remembers what it dropped, so the caller does not wait for it
+    as for a result still on its way (``IN_TRANSIT_WAIT_S``)."""
+    import time
+
     import guardrail.engine.inbox as inbox  # the caller's store of pushed results
     import guardrail.worker.results as worker_results  # the in-process engine's result store
     from guardrail.protocol import RPC_PUSH_RESULTS
@@ -416,7 +420,9 @@ def test_results_evicted_from_a_full_store_are_missing_never_another_score(
         monkeypatch.setattr(worker_results, "MAX_STORED_RESULTS", 3)
         tiny_engine.llm.collective_rpc(RPC_PUSH_RESULTS, args=(None, ""))
     try:
+        started = time.monotonic()
         _check_eviction(tiny_engine, reference)
+        assert time.monotonic() - started < inbox.IN_TRANSIT_WAIT_S / 3
     finally:
         monkeypatch.undo()
         if store == "popped":

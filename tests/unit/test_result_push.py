@@ -156,3 +156,33 @@ def test_a_wait_for_results_on_their_way_ends_when_the_engine_dies(inbox):
     started = time.monotonic()
     assert inbox.take(["on-its-way"], "t", 60.0, stop=dead.is_set) == {}
     assert time.monotonic() - started < 2.0
+
+
+def test_a_result_dropped_untaken_is_missing_at_once_not_waited_for(inbox, monkeypatch, caplog):
+    """More untaken results than the inbox keeps: the oldest go, and asking for one of those
+    returns at once without it (the pop says it was sent, so it used to be waited for up to
+    ``IN_TRANSIT_WAIT_S``), while the kept ones are still there, each its own."""
+    import time
+
+    monkeypatch.setattr("guardrail.engine.inbox.MAX_STORED_RESULTS", 2)
+    store = ResultStore()
+    pusher = ResultPusher(inbox.address, store, inbox.hello, HEADS)
+    try:
+        store.add(finished_step(["a", "b", "c", "d"], ["t"] * 4))
+        pusher.flush()
+        deadline = time.monotonic() + 5.0
+        while inbox.received < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert inbox.received == 4
+        started = time.monotonic()
+        got = inbox.take(["a", "b", "c", "d"], "t", 60.0)
+        assert time.monotonic() - started < 1.0
+        assert sorted(got) == ["c", "d"]
+        assert np.frombuffer(got["d"]["stats"], dtype=np.float64)[0] == pytest.approx(3.0)
+        assert "never taken" in caplog.text
+        # asked again, as a caller does after a pop says "a" was sent: at once again
+        started = time.monotonic()
+        assert inbox.take(["a", "b"], "t", 60.0) == {}
+        assert time.monotonic() - started < 1.0
+    finally:
+        pusher.close()

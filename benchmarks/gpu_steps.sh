@@ -57,8 +57,10 @@ case $step in
     python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k "$select" 2>&1 | quiet | tail -40 \
     | tee "$out/gpu_$step.txt" ;;
   bench1b) python3 benchmarks/bench_gpu.py --shapes 1b --plain-text --probe-layouts "$layout" --lengths 512 2048 \
+    --kinds attention combined \
     --batches 64 1 16 --max-tokens 1 --out "$out/gpu_1b.json" 2>&1 | grep "^{" ;;
   bench8b) python3 benchmarks/bench_gpu.py --shapes 8b --plain-text --probe-layouts "$layout" --lengths 512 2048 \
+    --kinds attention combined \
     --batches 64 16 1 --max-tokens 1 --out "$out/gpu_8b.json" 2>&1 | grep "^{" ;;
   eager) python3 benchmarks/bench_gpu.py --shapes 1b 8b --modes eager --kinds attention combined --probe-layouts "$layout" \
     --plain-text --lengths 512 --batches 64 1 --max-tokens 1 --repeats 5 \

@@ -4,10 +4,12 @@
 # output folder) or ./gpu-out. Each step fits one call of at most 10 minutes; run them back to
 # back (an idle machine is taken back after 30 s).
 #
-#   bash benchmarks/gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|
+#   bash benchmarks/gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|batch16|eager|eager1b|eager8b|hidden1b|hidden8b|
 #                                layouts1b|layouts8b|profile|ab|serve|
 #                                calibrate1b|calibrate8b|calibrate-start|calibrate-wait|tokenfit
 #
+# batch16: compiled, the combined kind at batch 16, both shapes, 512 and 2,048 tokens (the cells
+# bench1b / bench8b ran for the attention kind only before 2026-12-06's third session).
 # hidden1b / hidden8b: compiled, the combined probe (hidden state through the taps) and the
 # attention-only probe, 512 and 2,048 tokens x 1 and 64, prefill only and 64 tokens decoded.
 # eager: both shapes in eager mode, the attention and the combined (hidden-state) probe kinds,
@@ -35,7 +37,7 @@
 # bundle carries the tracked files, no git and no COMMIT file: pass it in each call's command,
 # e.g. `GUARDRAIL_COMMIT=$(git rev-parse --short HEAD)` written out here; else "unknown").
 set -uo pipefail
-step=${1:?usage: gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|eager|eager1b|eager8b|hidden1b|hidden8b|layouts1b|layouts8b|profile|ab|serve|calibrate1b|calibrate8b|calibrate-start|calibrate-wait|tokenfit}
+step=${1:?usage: gpu_steps.sh tests|tests-hidden|tests-rest|bench1b|bench8b|batch16|eager|eager1b|eager8b|hidden1b|hidden8b|layouts1b|layouts8b|profile|ab|serve|calibrate1b|calibrate8b|calibrate-start|calibrate-wait|tokenfit}
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 . /tmp/gpu-env.sh
@@ -62,6 +64,9 @@ case $step in
   bench8b) python3 benchmarks/bench_gpu.py --shapes 8b --plain-text --probe-layouts "$layout" --lengths 512 2048 \
     --kinds attention combined \
     --batches 64 16 1 --max-tokens 1 --out "$out/gpu_8b.json" 2>&1 | grep "^{" ;;
+  batch16) python3 benchmarks/bench_gpu.py --shapes 1b 8b --modes compiled --kinds combined --plain-text \
+    --probe-layouts "$layout" --lengths 512 2048 --batches 16 --max-tokens 1 \
+    --out "$out/gpu_batch16.json" 2>&1 | grep "^{" ;;
   eager) python3 benchmarks/bench_gpu.py --shapes 1b 8b --modes eager --kinds attention combined --probe-layouts "$layout" \
     --plain-text --lengths 512 --batches 64 1 --max-tokens 1 --repeats 5 \
     --out "$out/gpu_eager.json" 2>&1 | grep "^{" ;;

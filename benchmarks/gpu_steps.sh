@@ -24,7 +24,8 @@
 # end to end in a background process session that outlives each call; calibrate-wait follows it
 # (WAIT_S, default 560 s) and brings its logs, times and configs back.
 # profile: host ms by phase, 1B compiled, the attention probe (with torch.profiler) and the
-# combined one (its read-outs' memo writes and reads), about 2 minutes.
+# combined one (its read-outs' memo writes and reads, at batch 16 too: where it costs most;
+# with torch.profiler, each op's GPU time), about 3 minutes.
 # PROBE_LAYOUT (default shipped): the dummy probe of the bench, hidden, eager, profile, ab and
 # serve steps: laid out as the shipped config of its kind, or `stress` (128 heads on 16 layers,
 # what every table before 2026-12-05's seventh session measured); `layouts1b`: compiled, both
@@ -90,7 +91,8 @@ case $step in
     --torch-profile --out "$out/phases.json" 2>&1 | quiet | tail -80
     # the combined kind's phases too: its read-outs' memo writes and reads, the end of step's parts
     python3 benchmarks/profile_phases.py --probe-layout "$layout" --kind combined --shape 1b \
-      --cases 1x512 64x512 --rounds 5 --out "$out/phases_combined.json" 2>&1 | quiet | tail -60 ;;
+      --cases 1x512 16x512 64x512 --rounds 5 --torch-profile \
+      --out "$out/phases_combined.json" 2>&1 | quiet | tail -120 ;;
   ab) python3 benchmarks/profile_phases.py --probe-layout "$layout" --shape 1b --cases 1x512 16x512 64x512 --rounds 5 \
     --variants default one-chunk --out "$out/phases_ab.json" 2>&1 | quiet | tail -30 ;;
   serve) python3 benchmarks/load_serving.py --model dummy-1b --device gpu --rounds 1 \

@@ -25,7 +25,7 @@
 # (WAIT_S, default 560 s) and brings its logs, times and configs back.
 # profile: host ms by phase, 1B compiled, the attention probe (with torch.profiler) and the
 # combined one (its read-outs' memo writes and reads, at batch 16 too: where it costs most;
-# with torch.profiler, each op's GPU time), about 3 minutes.
+# with torch.profiler, each worker phase's GPU time), about 3 minutes.
 # PROBE_LAYOUT (default shipped): the dummy probe of the bench, hidden, eager, profile, ab and
 # serve steps: laid out as the shipped config of its kind, or `stress` (128 heads on 16 layers,
 # what every table before 2026-12-05's seventh session measured); `layouts1b`: compiled, both

@@ -21,7 +21,9 @@ CUDA-graph state is global), once with the prompts' token ids and once with thei
 batch tokenizing). On a GPU the worker's host times are launch overhead unless a phase
 synchronises with the device; with ``--sync-debug`` one guarded call runs under
 ``torch.cuda.set_sync_debug_mode("warn")`` (in-process only), which names every synchronising
-call site (vLLM's own included).
+call site (vLLM's own included). ``--torch-profile`` adds one guarded call per case under
+torch.profiler in the worker: each timed worker phase with the GPU time of the kernels it
+launched, then the ops by self CPU time.
 
 Prints, per (variant, batch, prompt length): median wall time of guarded and plain, and the
 per-call milliseconds in each phase (median over rounds).
@@ -48,6 +50,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SPENT: dict[str, float] = defaultdict(float)
 VARIANTS = ("default", "unarmed", "one-chunk", "tok-serial", "tok-parallel")
+# while torch.profiler runs (``--torch-profile``), each timed call is also one of its ranges,
+# named by its label, so the profiler gives each phase's kernels' GPU time. An environment
+# variable of the worker's process, not a global: the functions ``collective_rpc`` sends from
+# this script arrive each with its own copy of the script's globals
+PHASE_RANGES = "GUARDRAIL_PROFILE_PHASE_RANGES"
 
 
 def timed(owner: Any, name: str, label: str, spent: dict[str, float]) -> None:
@@ -59,6 +66,11 @@ def timed(owner: Any, name: str, label: str, spent: dict[str, float]) -> None:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
+            if os.environ.get(PHASE_RANGES):
+                import torch
+
+                with torch.profiler.record_function(label):
+                    return original(*args, **kwargs)
             return original(*args, **kwargs)
         finally:
             spent[label] += time.perf_counter() - start
@@ -123,22 +135,38 @@ def start_torch_profile(worker: Any) -> None:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     worker.guardrail_torch_profile = torch.profiler.profile(activities=activities, with_stack=True)
     worker.guardrail_torch_profile.__enter__()
+    os.environ[PHASE_RANGES] = "1"
 
 
 def stop_torch_profile(worker: Any, rows: int) -> str:
-    """Runs in the worker's process: stop the profiler; its table of ops by self CPU time, each
-    with the guard's own call site (the innermost frame under ``guardrail/``)."""
+    """Runs in the worker's process: stop the profiler; the worker's timed phases (each with
+    the GPU time of the kernels launched inside it, nested phases counted in their parents
+    too), then its table of ops by self CPU time, each with the guard's own call site (the
+    innermost frame under ``guardrail/``, where the build records Python frames)."""
     import torch
 
     profile = worker.guardrail_torch_profile
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    os.environ.pop(PHASE_RANGES, None)
     profile.__exit__(None, None, None)
     spent: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     try:
         events = profile.events()
     except Exception as exc:  # e.g. torch 2.13's CPU build fails to parse its own event names
         return f"torch.profiler could not read its events: {type(exc).__name__}: {exc}"
+    phases: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    labels = set(worker.guardrail_phase_seconds) | {"worker: execute_model (vLLM step)"}
+    for event in events:
+        if event.name in labels and event.device_type == torch.autograd.DeviceType.CPU:
+            phase = phases[event.name]
+            phase[0] += event.cpu_time_total
+            phase[1] += 1
+            phase[2] += event.device_time_total
+    lines = [f"{'cpu us':>12} {'calls':>6} {'gpu us':>12}  worker phase (its kernels' GPU time)"]
+    for name, (cpu, calls, gpu) in sorted(phases.items()):
+        lines.append(f"{cpu:12.0f} {calls:6.0f} {gpu:12.0f}  {name}")
+    lines.append("")
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue
@@ -147,7 +175,7 @@ def stop_torch_profile(worker: Any, rows: int) -> str:
         entry[0] += event.self_cpu_time_total
         entry[1] += 1
         entry[2] += getattr(event, "self_device_time_total", 0.0)
-    lines = [f"{'self cpu us':>12} {'calls':>6} {'self gpu us':>12}  op @ guard call site"]
+    lines.append(f"{'self cpu us':>12} {'calls':>6} {'self gpu us':>12}  op @ guard call site")
     for (name, site), (cpu, calls, gpu) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:rows]:
         lines.append(f"{cpu:12.0f} {calls:6.0f} {gpu:12.0f}  {name} @ {site}")
     return "\n".join(lines)

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from guardrail.probe.config import ModelProbeConfig
@@ -401,54 +400,19 @@ class Probe:
     def _decide_stops(self, rows: StepRows, focus: Any, flags: torch.Tensor | None) -> None:
         """Early stop: a request whose focus is at or below its ``stop_below`` ends right after
         prefill (its first sampled token is forced to its stop token); one that could not be
-        scored, by its ``stop_on_error``. Decided on the device."""
-        if self.settings.pp_size > 1:
+        scored, by its ``stop_on_error``. Decided on the device, from the facts the plan copied
+        there (``StepRows.stop_facts``): no host work and no copy here."""
+        if self.settings.pp_size > 1 or not rows.stop_rows:
             return
-        wanted = [
-            i
-            for i in range(len(rows))
-            if rows.stop_below[i] is not None and rows.stop_token[i] is not None
-        ]
-        if not wanted:
-            return
-        host_stop = [
-            rows.stop_on_error[i] if rows.errors[i] is not None or focus is None else False
-            for i in wanted
-        ]
-        position = {i: r for r, i in enumerate(rows.ok)}
-        scored = [(w, position[i]) for w, i in enumerate(wanted) if i in position]
-        if focus is None or flags is None:
-            scored = []
-        # every small host value in one array, one copy to the device (no synchronisation):
-        # [stop by default | batch index | stop token] per wanted row, then per scored row
-        # [its row in the table | stop_below | stop_on_error | its place among the wanted]
-        n, k = len(wanted), len(scored)
-        packed = np.empty(3 * n + 4 * k, dtype=np.float64)  # exact for every index and token id
-        packed[:n] = host_stop
-        packed[n : 2 * n] = [rows.batch_index[i] for i in wanted]
-        packed[2 * n : 3 * n] = [rows.stop_token[i] for i in wanted]
-        if k:
-            at = 3 * n
-            packed[at : at + k] = [r for _, r in scored]
-            packed[at + k : at + 2 * k] = [rows.stop_below[wanted[w]] for w, _ in scored]
-            packed[at + 2 * k : at + 3 * k] = [rows.stop_on_error[wanted[w]] for w, _ in scored]
-            packed[at + 3 * k :] = [w for w, _ in scored]
-        values = self.staging.to_device(packed)
-        stop = values[:n].bool()
-        if k:
-            assert focus is not None and flags is not None
-            at = 3 * n
-            table_rows = values[at : at + k].long()
-            failed = flags.index_select(0, table_rows).any(1)
-            below = focus.index_select(0, table_rows) <= values[at + k : at + 2 * k].to(focus.dtype)
-            decided = torch.where(failed, values[at + 2 * k : at + 3 * k].bool(), below)
-            stop[values[at + 3 * k :].long()] = decided
-        self.stops = Stops(
-            [rows.batch_index[i] for i in wanted],
-            values[n : 2 * n].long(),
-            values[2 * n : 3 * n].long(),
-            stop,
-        )
+        assert rows.stop_facts is not None and rows.stop_thresholds is not None
+        index, tokens, on_failure, table_row = rows.stop_facts.unbind(0)
+        stop = on_failure.bool()
+        if focus is not None and flags is not None:  # the table's rows: scored, unless flagged
+            at = table_row.clamp(min=0)
+            scored = (table_row >= 0) & ~flags.index_select(0, at).any(1)
+            below = focus.index_select(0, at) <= rows.stop_thresholds.to(focus.dtype)
+            stop = torch.where(scored, below, stop)
+        self.stops = Stops([rows.batch_index[i] for i in rows.stop_rows], index, tokens, stop)
 
 
 def make_probe_forward(probe: Probe, layer: Layer, runner: Any) -> Any:

@@ -93,6 +93,12 @@ class StepRows:
     mean_streams: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [K, hidden]
     # layer -> {row (host index): [positions, hidden] float32 on the host} (``positions``)
     token_states: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    # the early stop's rows (a ``stop_below`` and a stop token; host indices), and their facts on
+    # the device, copied with the plan: [4, S] long (batch index, stop token, stop when not
+    # scored, row in the step's table or -1) and [S] float64 ``stop_below``
+    stop_rows: list[int] = field(default_factory=list)
+    stop_facts: torch.Tensor | None = None
+    stop_thresholds: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -183,9 +189,36 @@ def plan_rows(
         rows.positions.append(spec.get("stream_positions"))
         if error is None:
             rows.ok.append(len(rows.keys) - 1)
+        if rows.stop_below[-1] is not None and token is not None:
+            rows.stop_rows.append(len(rows.keys) - 1)
     if rows.ok:
         _device_tensors(rows, found, metadata, block_size, staging, host_table)
+    elif rows.stop_rows:  # every row failed here: the stops' facts alone
+        _stop_views(rows, staging.to_device(_stop_section(rows)))
     return rows
+
+
+def _stop_section(rows: StepRows) -> np.ndarray:
+    """The early stop's facts of ``rows.stop_rows`` as int64 [5 * S]: batch index, stop token,
+    stop when not scored, row in the step's table (-1: not scored), then ``stop_below`` as
+    float64 bits (``_stop_views`` reads them back)."""
+    table_row = {i: r for r, i in enumerate(rows.ok)}
+    wanted = rows.stop_rows
+    section = np.empty(5 * len(wanted), dtype=np.int64)
+    facts = section[: 4 * len(wanted)].reshape(4, -1)
+    facts[0] = [rows.batch_index[i] for i in wanted]
+    facts[1] = np.array([rows.stop_token[i] for i in wanted], dtype=np.int64)  # none is None
+    facts[2] = [rows.stop_on_error[i] for i in wanted]
+    facts[3] = [table_row.get(i, -1) for i in wanted]
+    section[4 * len(wanted) :].view(np.float64)[:] = [rows.stop_below[i] for i in wanted]
+    return section
+
+
+def _stop_views(rows: StepRows, section: torch.Tensor) -> None:
+    """``rows.stop_facts`` and ``rows.stop_thresholds``: ``_stop_section``'s on the device."""
+    n = len(rows.stop_rows)
+    rows.stop_facts = section[: 4 * n].view(4, n)
+    rows.stop_thresholds = section[4 * n :].view(torch.float64)
 
 
 class HostStaging:
@@ -277,11 +310,12 @@ def _device_tensors(
     blocks_per_row = (width + block_size - 1) // block_size
     # bytes: masks [3, K, T] and flags [K, flags] (bool), padded to 8, then int64: per row
     # batch index, token row, last position, prompt length; then KV slots [K, T] and the last
-    # prompt token's slot [K] where the host has the block table
+    # prompt token's slot [K] where the host has the block table; then the early stop's facts
     mask_bytes = 3 * k * width
     flag_bytes = k * len(FLAG_MESSAGES)
     at = -(-(mask_bytes + flag_bytes) // 8) * 8
-    longs = 4 * k + (k * width + k if host_table is not None else 0)
+    stops = 5 * len(rows.stop_rows)
+    longs = 4 * k + (k * width + k if host_table is not None else 0) + stops
     packed = np.zeros(at + 8 * longs, dtype=np.uint8)
     _fill_masks(packed[:mask_bytes].view(np.bool_).reshape(3, k, width), rows, found)
     ints = packed[at:].view(np.int64)
@@ -296,7 +330,9 @@ def _device_tensors(
         offsets = np.arange(block_size, dtype=np.int64)
         slots = (blocks[:, :, None] * block_size + offsets).reshape(k, -1)[:, :width]
         ints[4 * k : 4 * k + k * width] = slots.reshape(-1)
-        ints[4 * k + k * width :] = slots[np.arange(k), last]
+        ints[4 * k + k * width : longs - stops] = slots[np.arange(k), last]
+    if stops:
+        ints[longs - stops :] = _stop_section(rows)
     on_device = staging.to_device(packed)
     masks_d = on_device[:mask_bytes].view(torch.bool).view(3, k, width)
     rows.valid, rows.instruction, rows.data = masks_d.unbind(0)
@@ -305,9 +341,11 @@ def _device_tensors(
     index_d = ints_d[: 4 * k].view(4, k)
     batch_d, rows.token_rows, last_d, rows.lengths = index_d.unbind(0)
     rows.token_column = rows.token_rows[:, None]
+    if stops:
+        _stop_views(rows, ints_d[longs - stops :])
     if host_table is not None:
         rows.slots = ints_d[4 * k : 4 * k + k * width].view(k, width)
-        rows.last_slots = ints_d[4 * k + k * width :]
+        rows.last_slots = ints_d[4 * k + k * width : longs - stops]
     else:
         rows.slots = _device_slots(metadata.block_table, batch_d, width, block_size)
         rows.last_slots = rows.slots.gather(1, last_d[:, None])[:, 0]

@@ -377,6 +377,54 @@ def test_a_probe_fault_fails_closed_for_that_request_alone(faults_cleared):
     assert registry.get_sample_value("guardrail_probe_errors_total", labels) == 1
 
 
+def test_a_request_that_could_not_be_scored_stops_by_its_own_stop_on_probe_error(
+    faults_cleared,
+):
+    """The early stop of rows that were not scored, decided on the device from the facts the
+    step's plan copied there: rows failed at the plan (a fault: not in the step's table) and rows
+    flagged on the device (a KV reader one slot off) each end after prefill when their
+    ``stop_on_probe_error`` says so and decode in full when not; the scored rows by their focus
+    (none at or below -1). The result reports the same decision the device made."""
+    from guardrail.worker.probe import PROBES
+
+    engine = faults_cleared
+    params = engine.sampling(max_tokens=6, ignore_eos=True)
+    keys = [f"stop-fault-{i}" for i in range(4)]
+    on_error = [True, True, False, False]
+
+    def decoded(outs: list[Any]) -> list[tuple[int, bool, bool]]:
+        return [(len(o.token_ids), o.probe.stopped, o.probe.error is None) for o in outs]
+
+    engine.set_probe_faults([keys[0], keys[2]])
+    outs = engine.generate(
+        REQUESTS[:4], params, stop_below=-1.0, stop_on_probe_error=on_error, probe_keys=keys
+    )
+    assert decoded(outs) == [
+        (1, True, False),
+        (6, False, True),
+        (6, False, False),
+        (6, False, True),
+    ]
+    # the step's only row failed at the plan: its stop facts are copied without a plan
+    alone = engine.generate(REQUESTS[:1], params, stop_below=-1.0, probe_keys=keys[:1])
+    assert decoded(alone) == [(1, True, False)]
+    engine.set_probe_faults([])
+    [probe] = [p for p in PROBES.values() if p.layers]
+    right = probe.gather
+    probe.gather = lambda cache, slots, *heads: right(cache, slots + 1, *heads)
+    try:
+        outs = engine.generate(REQUESTS[:4], params, stop_below=-1.0, stop_on_probe_error=on_error)
+    finally:
+        probe.gather = right
+    assert decoded(outs) == [
+        (1, True, False),
+        (1, True, False),
+        (6, False, False),
+        (6, False, False),
+    ]
+    assert all("KV cache layout check failed" in (o.probe.error or "") for o in outs)
+
+
 def test_a_wrong_kv_reader_is_caught_by_the_live_layout_check(tiny_engine):
     """The worker compares, on the device, each scored row's cached key of its last prompt token
     (read back through the KV reader) with the key the layer computed: a reader that reads the

@@ -215,7 +215,8 @@ def _stop_section(rows: StepRows) -> np.ndarray:
 
 
 def _stop_views(rows: StepRows, section: torch.Tensor) -> None:
-    """``rows.stop_facts`` and ``rows.stop_thresholds``: ``_stop_section``'s on the device."""
+    """Point ``rows.stop_facts`` and ``rows.stop_thresholds`` at ``section``, the values of
+    ``_stop_section`` on the device."""
     n = len(rows.stop_rows)
     rows.stop_facts = section[: 4 * n].view(4, n)
     rows.stop_thresholds = section[4 * n :].view(torch.float64)

@@ -23,7 +23,7 @@ synchronises with the device; with ``--sync-debug`` one guarded call runs under
 ``torch.cuda.set_sync_debug_mode("warn")`` (in-process only), which names every synchronising
 call site (vLLM's own included). ``--torch-profile`` adds one guarded call per case under
 torch.profiler in the worker: each timed worker phase with the GPU time of the kernels it
-launched, then the ops by self CPU time.
+launched and the number of torch ops it called, then the ops by self CPU time.
 
 Prints, per (variant, batch, prompt length): median wall time of guarded and plain, and the
 per-call milliseconds in each phase (median over rounds).
@@ -155,7 +155,8 @@ def stop_torch_profile(worker: Any, rows: int) -> str:
         events = profile.events()
     except Exception as exc:  # e.g. torch 2.13's CPU build fails to parse its own event names
         return f"torch.profiler could not read its events: {type(exc).__name__}: {exc}"
-    phases: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    # per phase: CPU us, calls, GPU us of its kernels, torch ops called inside it (nested too)
+    phases: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     labels = set(worker.guardrail_phase_seconds) | {"worker: execute_model (vLLM step)"}
     for event in events:
         if event.name in labels and event.device_type == torch.autograd.DeviceType.CPU:
@@ -163,9 +164,14 @@ def stop_torch_profile(worker: Any, rows: int) -> str:
             phase[0] += event.cpu_time_total
             phase[1] += 1
             phase[2] += event.device_time_total
-    lines = [f"{'cpu us':>12} {'calls':>6} {'gpu us':>12}  worker phase (its kernels' GPU time)"]
-    for name, (cpu, calls, gpu) in sorted(phases.items()):
-        lines.append(f"{cpu:12.0f} {calls:6.0f} {gpu:12.0f}  {name}")
+            inside = list(event.cpu_children)
+            while inside:
+                child = inside.pop()
+                phase[3] += child.name.startswith(("aten::", "_C::"))
+                inside.extend(child.cpu_children)
+    lines = [f"{'cpu us':>12} {'calls':>6} {'gpu us':>12} {'ops':>6}  worker phase"]
+    for name, (cpu, calls, gpu, ops) in sorted(phases.items()):
+        lines.append(f"{cpu:12.0f} {calls:6.0f} {gpu:12.0f} {ops:6.0f}  {name}")
     lines.append("")
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU:

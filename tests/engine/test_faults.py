@@ -454,8 +454,6 @@ def test_results_evicted_from_a_full_store_are_missing_never_another_score(
     for a worker on another host): the worker's store does. Either way an evicted result is
     missing at once: the inbox remembers what it dropped, so the caller does not wait for it
     as for a result still on its way (``IN_TRANSIT_WAIT_S``)."""
-    import time
-
     import guardrail.engine.inbox as inbox  # the caller's store of pushed results
     import guardrail.worker.results as worker_results  # the in-process engine's result store
     from guardrail.protocol import RPC_PUSH_RESULTS

@@ -4,6 +4,8 @@ real ZeroMQ socket, with the worker's real ``ResultStore`` (CPU tables, no engin
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -148,9 +150,6 @@ def test_the_pusher_names_the_keys_it_took_once_and_a_pop_says_which_are_on_thei
 def test_a_wait_for_results_on_their_way_ends_when_the_engine_dies(inbox):
     """A result a pop said was sent is waited for up to a minute, but not past the engine's
     death (it sends nothing more): the wait ends within a poll of it."""
-    import threading
-    import time
-
     dead = threading.Event()
     threading.Timer(0.3, dead.set).start()
     started = time.monotonic()
@@ -162,8 +161,6 @@ def test_a_result_dropped_untaken_is_missing_at_once_not_waited_for(inbox, monke
     """More untaken results than the inbox keeps: the oldest go, and asking for one of those
     returns at once without it (the pop says it was sent, so it used to be waited for up to
     ``IN_TRANSIT_WAIT_S``), while the kept ones are still there, each its own."""
-    import time
-
     monkeypatch.setattr("guardrail.engine.inbox.MAX_STORED_RESULTS", 2)
     store = ResultStore()
     pusher = ResultPusher(inbox.address, store, inbox.hello, HEADS)

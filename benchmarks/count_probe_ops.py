@@ -127,7 +127,7 @@ def main() -> None:
         seed=0,
     )
     tokenizer = engine.llm.get_tokenizer()
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
     rows = []
     try:
         for batch in args.batches:

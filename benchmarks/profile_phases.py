@@ -190,7 +190,7 @@ def stop_torch_profile(worker: Any, rows: int) -> str:
 def guarded_once(engine: Any, reqs: list[Any], armed: bool) -> tuple[float, int]:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
     start = time.perf_counter()
     outs = engine.generate(reqs, params, stop_below=-1.0 if armed else None)
     wall = time.perf_counter() - start
@@ -201,7 +201,7 @@ def guarded_once(engine: Any, reqs: list[Any], armed: bool) -> tuple[float, int]
 def plain_once(llm: Any, prompts: list[Any]) -> float:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - start

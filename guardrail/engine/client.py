@@ -218,6 +218,13 @@ class ProbeClient:
             )
         if getattr(params, "min_tokens", 0):
             raise ConfigError("stop_below cannot end a request that sets min_tokens > 0")
+        if getattr(params, "ignore_eos", False):
+            raise ConfigError(
+                "stop_below cannot be combined with ignore_eos=True: a request stopped after "
+                "prefill ends on the eos token, so its sampling params make eos a stop token, "
+                "which would also end the request at its first natural eos; drop ignore_eos, "
+                "or leave stop_below unset and block after generation"
+            )
         if self.stop_token is None:
             raise ConfigError("the tokenizer has no eos token to end stopped requests with")
         spec["stop_below"] = float(stop_below)

@@ -49,7 +49,7 @@ def time_once(engine: Any, arm: str, prepared: list[Any], max_tokens: int) -> tu
 
     guarded = arm == "guarded"
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     if guarded:
         start = time.perf_counter()
         outs = engine.generate([p[0] for p in prepared], params, stop_below=-1.0)

@@ -211,7 +211,7 @@ def test_generate_enqueues_each_render_group_as_it_is_rendered(tiny_engine):
 
 def test_early_stop_ends_the_request_after_prefill(tiny_engine):
     batch = mixed_batch()[:10]
-    params = tiny_engine.sampling(max_tokens=16, ignore_eos=True)
+    params = tiny_engine.sampling(max_tokens=16)
     baseline = tiny_engine.generate(batch, params)
     focus = sorted(o.probe.focus for o in baseline)
     cut = (focus[4] + focus[5]) / 2  # half the batch below, half above
@@ -222,7 +222,6 @@ def test_early_stop_ends_the_request_after_prefill(tiny_engine):
             assert out.probe.stopped and len(out.token_ids) == 1 and out.finish_reason == "stop"
         else:
             assert not out.probe.stopped and out.token_ids == base.token_ids
-            assert len(out.token_ids) == 16
 
 
 def test_heads_that_do_not_fit_are_refused_before_start(tiny_llama_dir):

@@ -388,7 +388,7 @@ def test_a_request_that_could_not_be_scored_stops_by_its_own_stop_on_probe_error
     from guardrail.worker.probe import PROBES
 
     engine = faults_cleared
-    params = engine.sampling(max_tokens=6, ignore_eos=True)
+    params = engine.sampling(max_tokens=6)
     keys = [f"stop-fault-{i}" for i in range(4)]
     on_error = [True, True, False, False]
 
@@ -549,6 +549,11 @@ def test_bad_per_request_arguments_fail_their_own_request(tiny_engine):
     assert "must be a vllm.SamplingParams" in str(outputs[1].error)
     stops = [None, float("nan"), "0.1", 0.0]
     assert failed(tiny_engine.generate(requests, params, stop_below=stops)) == [1, 2]
+    # an early stop would make eos a stop token, which ignore_eos=True asks it not to be
+    eos_ignored = tiny_engine.sampling(max_tokens=4, ignore_eos=True)
+    outputs = tiny_engine.generate(requests, [params, eos_ignored, params, params], stop_below=0.0)
+    assert [o.error is None for o in outputs] == [True, False, True, True]
+    assert "cannot be combined with ignore_eos=True" in str(outputs[1].error)
     keys = ["k-0", 5, "k-0", None]
     assert failed(tiny_engine.generate(requests, params, probe_keys=keys)) == [1, 2]
     flags = [True, "yes", False, True]

@@ -108,52 +108,52 @@ def _worst(model_dir: Path, outputs: list) -> float:  # type: ignore[type-arg]
     return worst
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["eager", "compiled"])
-def mixed_engine(request, fp16_llama_dir):  # type: ignore[no-untyped-def]
-    """An engine on the test model, eager then compiled, shared by the tests that use it."""
-    engine = _engine(fp16_llama_dir, request.param)
-    yield engine
-    engine.close()
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_gpu_stats_equal_hf_with_chunked_prefill_and_prefix_cache(fp16_llama_dir, eager):
+    engine = _engine(fp16_llama_dir, eager)
+    try:
+        assert engine.model_info["backend"] == "FlashAttentionImpl", engine.model_info
+        assert engine.model_info.get("probe_kernel") == "triton", engine.model_info
+        batch = mixed_batch()
+        first = engine.generate(batch, engine.sampling(max_tokens=2))
+        second = engine.generate(batch, engine.sampling(max_tokens=2))
+        shared = [
+            o for o, r in zip(second, batch, strict=True) if isinstance(r, tuple) and SYSTEM in r[0]
+        ]
+        assert shared and all(o.num_cached_tokens >= 64 for o in shared)
+        worst = max(_worst(fp16_llama_dir, first), _worst(fp16_llama_dir, second))
+        print(f"gpu parity ({'eager' if eager else 'compiled'}): max |stat - HF| = {worst:.2e}")
+        assert worst <= FP16_TOL
+    finally:
+        engine.close()
 
 
-def test_gpu_stats_equal_hf_with_chunked_prefill_and_prefix_cache(fp16_llama_dir, mixed_engine):
-    engine = mixed_engine
-    assert engine.model_info["backend"] == "FlashAttentionImpl", engine.model_info
-    assert engine.model_info.get("probe_kernel") == "triton", engine.model_info
-    batch = mixed_batch()
-    first = engine.generate(batch, engine.sampling(max_tokens=2))
-    second = engine.generate(batch, engine.sampling(max_tokens=2))
-    shared = [
-        o for o, r in zip(second, batch, strict=True) if isinstance(r, tuple) and SYSTEM in r[0]
-    ]
-    assert shared and all(o.num_cached_tokens >= 64 for o in shared)
-    worst = max(_worst(fp16_llama_dir, first), _worst(fp16_llama_dir, second))
-    mode = "eager" if engine.model_info["enforce_eager"] else "compiled"
-    print(f"gpu parity ({mode}): max |stat - HF| = {worst:.2e}")
-    assert worst <= FP16_TOL
-
-
-def test_gpu_early_stop_ends_the_request_after_prefill(mixed_engine):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_gpu_early_stop_ends_the_request_after_prefill(fp16_llama_dir, eager):
     """Blocked after prefill on the GPU: a request whose focus is at or below ``stop_below``
     has its one prefill token and nothing more, the others decode in full, in one batch. In
     compiled mode the decode steps replay full CUDA graphs; the decision is made on the device
     at the end of the prefill step and applied by the stop processor in the sampler."""
-    engine = mixed_engine
-    batch = mixed_batch()
-    params = engine.sampling(max_tokens=16, ignore_eos=True)
-    baseline = engine.generate(batch, params)
-    focus = sorted(o.probe.focus for o in baseline)
-    cut = (focus[8] + focus[9]) / 2  # about half the batch below
-    outs = engine.generate(batch, params, stop_below=cut)
-    for out in outs:
-        assert out.probe.error is None, out.probe.error
-        if out.probe.focus <= cut:
-            assert out.probe.stopped and len(out.token_ids) == 1 and out.finish_reason == "stop"
-        else:
-            assert not out.probe.stopped and len(out.token_ids) == 16
-    stopped = sum(o.probe.stopped for o in outs)
-    print(f"stopped after prefill ({len(outs)} requests, cut {cut:.4f}): {stopped}")
-    assert 0 < stopped < len(outs)
+    engine = _engine(fp16_llama_dir, eager)
+    try:
+        batch = mixed_batch()
+        params = engine.sampling(max_tokens=16)  # an early stop cannot honour ignore_eos
+        baseline = engine.generate(batch, params)
+        focus = sorted(o.probe.focus for o in baseline)
+        cut = (focus[8] + focus[9]) / 2  # about half the batch below
+        outs = engine.generate(batch, params, stop_below=cut)
+        for base, out in zip(baseline, outs, strict=True):
+            assert out.probe.error is None, out.probe.error
+            if out.probe.focus <= cut:
+                assert out.probe.stopped and len(out.token_ids) == 1
+                assert out.finish_reason == "stop"
+            else:
+                assert not out.probe.stopped and len(out.token_ids) == len(base.token_ids)
+        stopped = sum(o.probe.stopped for o in outs)
+        print(f"stopped after prefill ({len(outs)} requests, cut {cut:.4f}): {stopped}")
+        assert 0 < stopped < len(outs)
+    finally:
+        engine.close()
 
 
 def test_no_request_escapes_the_probe_under_full_cuda_graphs(fp16_llama_dir):

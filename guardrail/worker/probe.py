@@ -369,7 +369,7 @@ class Probe:
         for layer in sorted(rows.mean_streams):
             table[f"mean{layer}"] = rows.mean_streams[layer]
         focus = None
-        if self.focus is not None and any(b is not None for b in rows.stop_below):
+        if self.focus is not None and rows.stop_rows:  # the focus decides armed rows only
             focus = self.focus(stats, term_table)
             table["focus"] = focus
         table["flags"] = flags

@@ -123,7 +123,7 @@ class ResultStore:
             if raised.size:
                 column = int(raised[0])
                 error, reason = FLAG_MESSAGES[column], FLAG_REASONS[column]
-        if rows.stop_below[i] is not None and rows.stop_token[i] is not None:
+        if rows.armed(i):
             focus = None
             if error is None and row is not None and "focus" in columns:
                 focus = float(row[columns["focus"]][0])

@@ -108,6 +108,10 @@ class StepRows:
         """How many rows the device scores."""
         return len(self.ok)
 
+    def armed(self, i: int) -> bool:
+        """Whether row ``i`` may be stopped after prefill: a ``stop_below`` and a stop token."""
+        return self.stop_below[i] is not None and self.stop_token[i] is not None
+
     def flag(self, column: int, failed: torch.Tensor) -> None:
         """Mark rows (``failed`` [K] bool, on the device) as failed for reason ``column``."""
         assert self.flags is not None
@@ -189,7 +193,7 @@ def plan_rows(
         rows.positions.append(spec.get("stream_positions"))
         if error is None:
             rows.ok.append(len(rows.keys) - 1)
-        if rows.stop_below[-1] is not None and token is not None:
+        if rows.armed(len(rows.keys) - 1):
             rows.stop_rows.append(len(rows.keys) - 1)
     if rows.ok:
         _device_tensors(rows, found, metadata, block_size, staging, host_table)

@@ -23,7 +23,9 @@ synchronises with the device; with ``--sync-debug`` one guarded call runs under
 ``torch.cuda.set_sync_debug_mode("warn")`` (in-process only), which names every synchronising
 call site (vLLM's own included). ``--torch-profile`` adds one guarded call per case under
 torch.profiler in the worker: each timed worker phase with the GPU time of the kernels it
-launched and the number of torch ops it called, then the ops by self CPU time.
+launched and the number of torch ops it called, then the ops by self CPU time, then the GPU's
+idle time between its kernels, charged to the phase the host was in meanwhile (what the host
+was doing while the device waited for it: the phases on the step's critical path).
 
 Prints, per (variant, batch, prompt length): median wall time of guarded and plain, and the
 per-call milliseconds in each phase (median over rounds).
@@ -184,7 +186,47 @@ def stop_torch_profile(worker: Any, rows: int) -> str:
     lines.append(f"{'self cpu us':>12} {'calls':>6} {'self gpu us':>12}  op @ guard call site")
     for (name, site), (cpu, calls, gpu) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:rows]:
         lines.append(f"{cpu:12.0f} {calls:6.0f} {gpu:12.0f}  {name} @ {site}")
+    lines.append("")
+    lines.extend(gpu_idle_by_phase(events, labels))
     return "\n".join(lines)
+
+
+def gpu_idle_by_phase(events: Any, labels: set[str]) -> list[str]:
+    """Where the GPU waited for the host: the gaps between its work (every device event, merged),
+    from its first to its last, each charged to the innermost timed phase the host was in at
+    the gap's middle (the host and device clocks are the profiler's one timeline). GPU idle time
+    charged to a guard phase is host work of the guard on the step's critical path; idle time
+    inside vLLM's step but in no guard phase is vLLM's own host time."""
+    import torch
+
+    cuda = torch.autograd.DeviceType.CUDA
+    busy = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == cuda)
+    if not busy:
+        return ["no device events: no GPU idle time to place"]
+    phases = sorted(  # shortest first: the first that holds a moment is the innermost
+        (e.time_range.end - e.time_range.start, e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.name in labels and e.device_type != cuda
+    )
+    idle: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    first, end = busy[0]
+    for start, stop in busy[1:]:
+        if start > end:
+            middle = (start + end) / 2
+            host = next((n for _, a, b, n in phases if a <= middle <= b), "in no timed phase")
+            idle[host][0] += start - end
+            idle[host][1] += 1
+        end = max(end, stop)
+    gaps = sum(us for us, _ in idle.values())
+    window = end - first
+    lines = [
+        f"GPU window {window:.0f} us: busy {window - gaps:.0f} us, idle {gaps:.0f} us; "
+        "idle time by what the host was in",
+        f"{'idle us':>12} {'gaps':>6}  host in",
+    ]
+    for name, (us, count) in sorted(idle.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"{us:12.0f} {count:6.0f}  {name}")
+    return lines
 
 
 def guarded_once(engine: Any, reqs: list[Any], armed: bool) -> tuple[float, int]:

@@ -57,6 +57,7 @@ VARIANTS = ("default", "unarmed", "one-chunk", "tok-serial", "tok-parallel")
 # variable of the worker's process, not a global: the functions ``collective_rpc`` sends from
 # this script arrive each with its own copy of the script's globals
 PHASE_RANGES = "GUARDRAIL_PROFILE_PHASE_RANGES"
+EXECUTE_MODEL = "worker: execute_model (vLLM step)"  # vLLM's step: the phases' parent
 
 
 def timed(owner: Any, name: str, label: str, spent: dict[str, float]) -> None:
@@ -117,7 +118,7 @@ def install_worker_timers(worker: Any) -> None:
     timed(worker_hidden.HiddenReader, "read", "worker: hidden read", spent)
     timed(worker_probe.Probe, "pop", "worker: pop", spent)
     timed(ProbeStopLogitsProcessor, "apply", "worker: stop processor", spent)
-    timed(worker, "execute_model", "worker: execute_model (vLLM step)", spent)
+    timed(worker, "execute_model", EXECUTE_MODEL, spent)
 
 
 def read_worker_timers(worker: Any) -> dict[str, float]:
@@ -159,7 +160,7 @@ def stop_torch_profile(worker: Any, rows: int) -> str:
         return f"torch.profiler could not read its events: {type(exc).__name__}: {exc}"
     # per phase: CPU us, calls, GPU us of its kernels, torch ops called inside it (nested too)
     phases: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
-    labels = set(worker.guardrail_phase_seconds) | {"worker: execute_model (vLLM step)"}
+    labels = set(worker.guardrail_phase_seconds) | {EXECUTE_MODEL}
     for event in events:
         if event.name in labels and event.device_type == torch.autograd.DeviceType.CPU:
             phase = phases[event.name]

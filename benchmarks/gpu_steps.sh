@@ -51,16 +51,21 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:$PYTHONPATH
 export GUARDRAIL_COMMIT=${GUARDRAIL_COMMIT:-$(cat COMMIT 2>/dev/null || echo unknown)}
 quiet() { grep --line-buffered -v " INFO \| WARNING \|DEBUG\|it/s\]"; }
+# the GPU tests (pytest's further arguments: "$@" after the log's name), their log written to
+# $out as they run (-v names each test as it starts) and cut at TESTS_LIMIT: a call cut short
+# still brings back which test it was in
+gpu_tests() {
+  local log="$out/$1"; shift
+  PYTHONUNBUFFERED=1 timeout "${TESTS_LIMIT:-500}" python3 -m pytest -v -s -p no:cacheprovider \
+    tests/gpu "$@" 2>&1 | quiet > "$log"
+  tail -40 "$log"
+}
 layout=${PROBE_LAYOUT:-shipped}
 case $step in
-  # the tests' log is written to $out as they run (-v names each test as it starts) and cut at
-  # TESTS_LIMIT: a call cut short still brings back which test it was in
-  tests) PYTHONUNBUFFERED=1 timeout "${TESTS_LIMIT:-500}" python3 -m pytest -v -s -p no:cacheprovider tests/gpu 2>&1 \
-    | quiet > "$out/gpu_tests.txt"; tail -40 "$out/gpu_tests.txt" ;;
+  tests) gpu_tests gpu_tests.txt ;;
   tests-hidden|tests-rest)  # the suite in two calls: the hidden-state tests, then the others
     select="hidden or memo"; [ "$step" = tests-rest ] && select="not ($select)"
-    PYTHONUNBUFFERED=1 timeout "${TESTS_LIMIT:-500}" python3 -m pytest -v -s -p no:cacheprovider tests/gpu -k "$select" \
-      2>&1 | quiet > "$out/gpu_$step.txt"; tail -40 "$out/gpu_$step.txt" ;;
+    gpu_tests "gpu_$step.txt" -k "$select" ;;
   bench1b) python3 benchmarks/bench_gpu.py --shapes 1b --plain-text --probe-layouts "$layout" --lengths 512 2048 \
     --kinds attention combined \
     --batches 64 1 16 --max-tokens 1 --out "$out/gpu_1b.json" 2>&1 | grep "^{" ;;
